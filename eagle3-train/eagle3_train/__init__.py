@@ -1,0 +1,1 @@
+"""eagle3-train: EAGLE-3 draft training pipeline for vLLM-served reasoning targets."""

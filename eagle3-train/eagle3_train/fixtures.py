@@ -1,0 +1,56 @@
+"""Cached tiny models for tests, benchmarks and the demo: built once from a seed, reused after.
+
+The cache lives in `$EAGLE3_CACHE` (default `<repo>/.cache/fixtures`); each entry is built into a
+temp directory and renamed into place, so concurrent test runs never see half an entry.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from .store import TMP_PREFIX, atomic_dir_commit
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TINY_REASONER = REPO_ROOT / "assets" / "tiny-reasoner"  # the committed trained target
+FIXTURES_VERSION = "1"  # bump when a builder changes, so stale cache entries are not reused
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EAGLE3_CACHE", REPO_ROOT / ".cache" / "fixtures"))
+
+
+def cached(name: str, build: Callable[[Path], object]) -> Path:
+    final = cache_dir() / f"{name}-v{FIXTURES_VERSION}"
+    if (final / ".complete").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f"{TMP_PREFIX}{final.name}.{os.getpid()}"
+    build(tmp)
+    (tmp / ".complete").write_text("ok\n")
+    try:
+        atomic_dir_commit(tmp, final)
+    except OSError:
+        if not (final / ".complete").exists():
+            raise
+    return final
+
+
+def tokenizer_dir(template: str = "k25") -> Path:
+    from .tiny import build_tokenizer
+
+    return cached(f"tokenizer-{template}", lambda d: build_tokenizer(d, template=template))
+
+
+def random_target_dir(arch: str) -> Path:
+    """`llama` or `deepseek_v3`, randomly initialised (seed 0), with the k25 tokenizer."""
+    from .tiny import build_random_target
+
+    return cached(f"{arch}-random", lambda d: build_random_target(d, arch, tokenizer_dir("k25")))
+
+
+def tiny_reasoner_dir() -> Path:
+    if not (TINY_REASONER / "model.safetensors").exists():
+        raise FileNotFoundError(f"{TINY_REASONER} is missing: run scripts/build_tiny_target.py")
+    return TINY_REASONER

@@ -1,0 +1,263 @@
+"""Files that survive kill -9: atomic writes, append-only JSONL with a torn last line tolerated,
+the output-directory lock, and "work still to do" as a pure function.
+
+Every stage writes through these helpers; none opens its outputs with a bare open(..., "w").
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+from .errors import PipelineError
+
+TMP_PREFIX = ".tmp-"  # readers and resumers ignore (and clean) files with this prefix
+
+
+# ----------------------------------------------------------------------------- atomic writes
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temp file in the same directory, fsync, then rename over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def atomic_dir_commit(tmp_dir: Path, final_dir: Path) -> None:
+    """Move a fully written temp directory into place (the previous one, if any, is replaced)."""
+    final_dir = Path(final_dir)
+    old = None
+    if final_dir.exists():
+        old = final_dir.with_name(TMP_PREFIX + final_dir.name + ".old")
+        if old.exists():
+            _rmtree(old)
+        os.replace(final_dir, old)
+    os.replace(tmp_dir, final_dir)
+    _fsync_dir(final_dir.parent)
+    if old is not None:
+        _rmtree(old)
+
+
+def clean_temp_files(directory: Path) -> int:
+    """Remove leftovers of interrupted atomic writes; returns how many were removed."""
+    n = 0
+    directory = Path(directory)
+    if not directory.is_dir():
+        return 0
+    for p in directory.iterdir():
+        if p.name.startswith(TMP_PREFIX):
+            _rmtree(p) if p.is_dir() else _unlink_quiet(p)
+            n += 1
+    return n
+
+
+def _rmtree(p: Path) -> None:
+    import shutil
+
+    shutil.rmtree(p, ignore_errors=True)
+
+
+def _unlink_quiet(p) -> None:
+    try:
+        os.unlink(p)
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- hashing
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def json_sha256(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- JSONL
+
+def repair_torn_tail(path: Path) -> int:
+    """Cut a partial last line (a write interrupted by kill -9); returns bytes removed."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    with open(path, "rb+") as f:
+        # Scan back from the end for the last newline; only the tail after it can be torn.
+        pos, step = size, 1 << 16
+        while pos > 0:
+            start = max(0, pos - step)
+            f.seek(start)
+            block = f.read(pos - start)
+            nl = block.rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            pos = start
+        else:
+            keep = 0
+        if keep == size:
+            return 0
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    return size - keep
+
+
+def read_jsonl(path: Path, *, tolerate_torn_tail: bool = True) -> Iterator[dict]:
+    """Yield records. A malformed *last* line without a newline is a torn write and is skipped;
+    a malformed line anywhere else is corruption and raises a one-line PipelineError."""
+    path = Path(path)
+    if not path.exists():
+        return
+    with open(path, "rb") as f:
+        lineno = 0
+        for raw in f:
+            lineno += 1
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                if tolerate_torn_tail and not raw.endswith(b"\n") and not f.read(1):
+                    return
+                raise PipelineError(f"{path}:{lineno}: malformed JSON line "
+                                    f"({raw[:60].decode(errors='replace')!r}...)") from None
+            if not isinstance(rec, dict):
+                raise PipelineError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+            yield rec
+
+
+class JsonlWriter:
+    """Append-only JSONL. Each record is one write() of one line, flushed (and by default
+    fsynced) before the call returns, so a kill leaves at most one torn last line, which the
+    next open repairs."""
+
+    def __init__(self, path: Path, *, fsync: bool = True):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.repaired_bytes = repair_torn_tail(self.path)
+        self._f = open(self.path, "ab")
+        self._fsync = fsync
+
+    def write(self, record: dict) -> None:
+        line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        self._f.write(line)
+        self._f.flush()
+        if self._fsync:
+            os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def jsonl_ids(path: Path, key: str = "id") -> list[str]:
+    return [rec[key] for rec in read_jsonl(path) if key in rec]
+
+
+# ----------------------------------------------------------------------------- work to do
+
+def pending_ids(requested: Sequence[str], committed: Iterable[str]) -> list[str]:
+    """Work still to do = requested ids - committed ids, in request order, each id once."""
+    done = set(committed)
+    out, seen = [], set()
+    for i in requested:
+        if i not in done and i not in seen:
+            seen.add(i)
+            out.append(i)
+    return out
+
+
+# ----------------------------------------------------------------------------- lock
+
+class DirLock:
+    """An exclusive lock on an output directory, so two processes never interleave writes there.
+    flock is released by the kernel when the holder dies, so kill -9 leaves no stale lock."""
+
+    def __init__(self, directory: Path, stage: str):
+        self.directory = Path(directory)
+        self.stage = stage
+        self._fd = None
+
+    def __enter__(self):
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except PermissionError:
+            raise PipelineError(f"output directory {self.directory} is not writable") from None
+        path = self.directory / ".lock"
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:
+            raise PipelineError(f"output directory {self.directory} is not writable") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip()
+                os.close(self._fd)
+                self._fd = None
+                raise PipelineError(
+                    f"{self.directory} is in use by another process ({holder or 'unknown'}); "
+                    "wait for it or stop it, then rerun") from None
+            raise
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{self.stage} pid {os.getpid()}\n".encode(), 0)
+        return self
+
+    def __exit__(self, *exc):
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None

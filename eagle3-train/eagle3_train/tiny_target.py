@@ -1,0 +1,105 @@
+"""Train the tiny reasoning target on CPU: a ~2M-parameter Llama that, given a synthetic question in
+the K2.5-like chat format, reasons step by step, closes with </think>, answers and stops.
+
+Deterministic: same seed, same thread count -> same weights (checked by a test).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from .tiny import build_tokenizer, llama_config, synthetic_examples
+
+
+def _render(tokenizer, ex: dict) -> tuple[list[int], list[int]]:
+    """Chat-rendered training sequence: loss only on the assistant's generated part."""
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": ex["question"]}], add_generation_prompt=True,
+        tokenize=True, return_dict=False)
+    gen = (tokenizer.encode(ex["reasoning"], add_special_tokens=False)
+           + [tokenizer.convert_tokens_to_ids("</think>")]
+           + tokenizer.encode(ex["answer"], add_special_tokens=False)
+           + [tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    return list(prompt) + gen, [0] * len(prompt) + [1] * len(gen)
+
+
+def train_tiny_target(out_dir: Path, steps: int = 1500, batch: int = 32, lr: float = 3e-3,
+                      seed: int = 0, n_examples: int = 20000, log=print) -> dict:
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    out_dir = Path(out_dir)
+    tok_dir = out_dir / "_tokenizer"
+    tokenizer = build_tokenizer(tok_dir)
+    examples = synthetic_examples(n_examples, seed=1000 + seed)
+    seqs = [_render(tokenizer, ex) for ex in examples]
+    cfg = llama_config(tokenizer)
+    model = LlamaForCausalLM(cfg)
+    model.generation_config = GenerationConfig(
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    g = torch.Generator().manual_seed(seed)
+    pad = cfg.pad_token_id
+    t0, losses = time.time(), []
+    for step in range(steps):
+        idx = torch.randint(len(seqs), (batch,), generator=g).tolist()
+        width = max(len(seqs[i][0]) for i in idx)
+        ids = torch.full((batch, width), pad)
+        labels = torch.full((batch, width), -100)
+        attn = torch.zeros((batch, width), dtype=torch.long)
+        for r, i in enumerate(idx):
+            s, m = seqs[i]
+            ids[r, : len(s)] = torch.tensor(s)
+            attn[r, : len(s)] = 1
+            labels[r, : len(s)] = torch.tensor([t if k else -100 for t, k in zip(s, m)])
+        warm = min(1.0, (step + 1) / 100)
+        for group in opt.param_groups:
+            group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            log(f"step {step}/{steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    stats = {"steps": steps, "batch": batch, "lr": lr, "seed": seed, "final_loss": losses[-1],
+             "train_seconds": round(time.time() - t0, 1),
+             "params": sum(p.numel() for p in model.parameters())}
+    stats.update(check_tiny_target(out_dir))
+    (out_dir / "training_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    import shutil
+    shutil.rmtree(tok_dir, ignore_errors=True)
+    return stats
+
+
+def check_tiny_target(model_dir: Path, n: int = 30, seed: int = 7, max_new_tokens: int = 200) -> dict:
+    """Greedy-generate on held-out questions: share that close </think> and stop at <|im_end|>."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    closed = stopped = correct = 0
+    for ex in synthetic_examples(n, seed=seed):
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": ex["question"]}], add_generation_prompt=True,
+            tokenize=True, return_dict=False)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([list(prompt)]), max_new_tokens=max_new_tokens,
+                                 do_sample=False)[0, len(prompt):].tolist()
+        closed += think_end in out
+        stopped += im_end in out
+        answer = tokenizer.decode(out[out.index(think_end) + 1:] if think_end in out else [],
+                                  skip_special_tokens=True).strip()
+        correct += answer == ex["answer"]
+    return {"heldout": n, "closes_reasoning": closed / n, "stops": stopped / n,
+            "answer_exact": correct / n}

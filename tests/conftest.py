@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny tokenizers and targets built locally (seeded, cached), never downloaded."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA; its CPU twin runs instead")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def k25_tokenizer_dir():
+    from eagle3_train.fixtures import tokenizer_dir
+
+    return tokenizer_dir("k25")
+
+
+@pytest.fixture(scope="session")
+def thinking_first_tokenizer_dir():
+    from eagle3_train.fixtures import tokenizer_dir
+
+    return tokenizer_dir("thinking-first")
+
+
+@pytest.fixture(scope="session")
+def k25_tokenizer(k25_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(k25_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def thinking_first_tokenizer(thinking_first_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(thinking_first_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def llama_target_dir():
+    from eagle3_train.fixtures import random_target_dir
+
+    return random_target_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def deepseek_target_dir():
+    from eagle3_train.fixtures import random_target_dir
+
+    return random_target_dir("deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_reasoner_dir():
+    from eagle3_train.fixtures import tiny_reasoner_dir
+
+    return tiny_reasoner_dir()

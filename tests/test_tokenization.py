@@ -1,0 +1,210 @@
+"""The one tokenization module: invariants on both template families, with property-based tests."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from eagle3_train.errors import PipelineError
+from eagle3_train.tokenization import ChatFormat, compare_ids, tokenize_sample
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# Text the tiny byte-level tokenizer must carry exactly; no special-token strings inside it.
+plain_text = st.text(st.characters(codec="utf-8", exclude_characters="<>|"), min_size=0, max_size=80)
+
+
+@pytest.fixture(scope="module")
+def k25(k25_tokenizer):
+    return ChatFormat.from_tokenizer(k25_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def thinking_first(thinking_first_tokenizer):
+    return ChatFormat.from_tokenizer(thinking_first_tokenizer)
+
+
+def ids(tok, *tokens):
+    return [tok.convert_tokens_to_ids(t) for t in tokens]
+
+
+def emitted(fmt, reasoning, content):
+    """What the target itself would emit after the generation prompt (path (a)'s token_ids)."""
+    tok = fmt.tokenizer
+    prompt = fmt.render([{"role": "user", "content": "q"}], add_generation_prompt=True)
+    gen = [] if prompt[-1] == fmt.think_start_id else [fmt.think_start_id]
+    gen += tok.encode(reasoning, add_special_tokens=False) + [fmt.think_end_id]
+    gen += tok.encode(content, add_special_tokens=False) + [fmt.end_of_turn_id]
+    return prompt, gen
+
+
+def test_ids_are_looked_up_by_string_not_hard_coded(k25, k25_tokenizer):
+    assert k25.think_start_id == k25_tokenizer.convert_tokens_to_ids("<think>")
+    assert k25.think_end_id == k25_tokenizer.convert_tokens_to_ids("</think>")
+    assert k25.end_of_turn_id == k25_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert k25.think_start_id != 163606  # tiny vocab: a hard-coded Kimi id could not be right here
+
+
+def test_template_family_is_detected_from_the_rendered_prompt(k25, thinking_first):
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert k25.opens_thinking(k25.render(msgs, add_generation_prompt=True)) == "inside"
+    assert thinking_first.opens_thinking(thinking_first.render(msgs, add_generation_prompt=True)) == "before"
+    off = ChatFormat.from_tokenizer(k25.tokenizer, chat_template_kwargs={"thinking": False})
+    assert off.opens_thinking(off.render(msgs, add_generation_prompt=True)) == "closed"
+
+
+def test_k25_generated_part_is_reasoning_think_end_content_im_end(k25):
+    tok = k25.tokenizer
+    sample = {"id": "s", "messages": [{"role": "user", "content": "hi"}],
+              "reasoning": "step one.", "content": "done."}
+    t = tokenize_sample(sample, k25)
+    gen = t.input_ids[t.prompt_len:]
+    assert gen == (tok.encode("step one.", add_special_tokens=False) + ids(tok, "</think>")
+                   + tok.encode("done.", add_special_tokens=False) + ids(tok, "<|im_end|>"))
+    assert t.input_ids[t.prompt_len - 1] == k25.think_start_id  # <think> belongs to the prompt
+    assert t.loss_mask == [0] * t.prompt_len + [1] * len(gen)
+
+
+def test_thinking_first_generated_part_starts_with_think(thinking_first):
+    sample = {"id": "s", "messages": [{"role": "user", "content": "hi"}], "reasoning": "r", "content": "c"}
+    t = tokenize_sample(sample, thinking_first)
+    gen = t.input_ids[t.prompt_len:]
+    assert gen[0] == thinking_first.think_start_id
+    assert gen.count(thinking_first.think_end_id) == 1 and gen[-1] == thinking_first.end_of_turn_id
+
+
+@pytest.mark.parametrize("reasoning", [None, ""])
+def test_empty_or_missing_reasoning_still_closes_thinking(k25, reasoning):
+    sample = {"id": "s", "messages": [{"role": "user", "content": "hi"}], "reasoning": reasoning, "content": "c"}
+    t = tokenize_sample(sample, k25)
+    gen = t.input_ids[t.prompt_len:]
+    assert gen[0] == k25.think_end_id
+
+
+def test_thinking_switched_off_has_no_think_tokens_in_the_answer(k25_tokenizer):
+    fmt = ChatFormat.from_tokenizer(k25_tokenizer, chat_template_kwargs={"thinking": False})
+    t = tokenize_sample({"id": "s", "messages": [{"role": "user", "content": "hi"}], "content": "c"}, fmt)
+    gen = t.input_ids[t.prompt_len:]
+    assert fmt.think_start_id not in gen and fmt.think_end_id not in gen
+
+
+def test_non_reasoning_model(k25_tokenizer):
+    fmt = ChatFormat.from_tokenizer(k25_tokenizer, reasoning=False)
+    t = tokenize_sample({"id": "s", "messages": [{"role": "user", "content": "hi"}], "content": "c"}, fmt)
+    assert t.input_ids[t.prompt_len:][-1] == fmt.end_of_turn_id
+
+
+def test_tokenizer_without_think_tokens_is_a_clear_error(k25_tokenizer, monkeypatch):
+    class NoThink:
+        def __init__(self, tok):
+            self._tok = tok
+
+        def __getattr__(self, name):
+            return getattr(self._tok, name)
+
+        def __len__(self):
+            return len(self._tok)
+
+        def convert_tokens_to_ids(self, t):
+            return None if t in ("<think>", "</think>") else self._tok.convert_tokens_to_ids(t)
+
+    with pytest.raises(PipelineError, match="--think-start-id.*--no-reasoning"):
+        ChatFormat.from_tokenizer(NoThink(k25_tokenizer))
+    # ...unless the ids are given, or the user says the model does not reason.
+    ChatFormat.from_tokenizer(NoThink(k25_tokenizer), think_start_id=7, think_end_id=8)
+    ChatFormat.from_tokenizer(NoThink(k25_tokenizer), reasoning=False)
+
+
+def test_override_ids_out_of_vocab_rejected(k25_tokenizer):
+    with pytest.raises(PipelineError, match="outside the tokenizer's vocabulary"):
+        ChatFormat.from_tokenizer(k25_tokenizer, think_end_id=10**6)
+
+
+def test_ids_from_another_tokenizer_are_rejected(k25):
+    sample = {"id": "x", "messages": [{"role": "user", "content": "hi"}],
+              "prompt_token_ids": [1, 2, 3], "token_ids": [5, 163607, 2]}
+    with pytest.raises(PipelineError, match="sample x: token_ids has token id 163607 outside"):
+        tokenize_sample(sample, k25)
+
+
+def test_empty_messages_rejected(k25):
+    with pytest.raises(PipelineError, match="no prompt messages"):
+        tokenize_sample({"id": "e", "messages": [], "content": "c"}, k25)
+
+
+def test_truncation_is_counted(k25):
+    sample = {"id": "s", "messages": [{"role": "user", "content": "hi"}], "reasoning": "a b c d e f",
+              "content": "g h"}
+    full = tokenize_sample(sample, k25)
+    cut = tokenize_sample(sample, k25, max_seq_len=len(full.input_ids) - 5)
+    assert cut.num_truncated == 5
+    assert cut.input_ids == full.input_ids[:-5] and cut.loss_mask == full.loss_mask[:-5]
+
+
+def test_finish_reason_length_has_no_end_of_turn_and_open_reasoning(k25):
+    sample = {"id": "s", "messages": [{"role": "user", "content": "hi"}], "reasoning": "cut off",
+              "content": None, "finish_reason": "length"}
+    gen = tokenize_sample(sample, k25).input_ids
+    assert k25.think_end_id not in gen[-3:] and gen[-1] != k25.end_of_turn_id
+
+
+def test_mismatch_between_ids_and_text_is_reported_not_hidden(k25):
+    prompt, gen = emitted(k25, "abc", "def")
+    sample = {"id": "s", "messages": [{"role": "user", "content": "q"}], "prompt_token_ids": prompt,
+              "token_ids": gen, "reasoning": "abX", "content": "def"}
+    t = tokenize_sample(sample, k25)
+    assert t.source == "token_ids" and t.input_ids == prompt + gen  # built from (a)...
+    assert t.mismatch is not None and t.mismatch["first"] >= len(prompt)  # ...(b) disagreement reported
+
+
+def test_compare_ids():
+    assert compare_ids([1, 2, 3], [1, 2, 3]) is None
+    assert compare_ids([1, 2, 3], [1, 9, 3]) == {"count": 1, "first": 1, "len_ids": 3, "len_text": 3}
+    assert compare_ids([1, 2], [1, 2, 3, 4])["count"] == 2
+
+
+def test_multi_turn_final_only_by_default_and_all_on_request(k25):
+    msgs = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "one", "reasoning": "hidden"},
+            {"role": "user", "content": "second"}]
+    sample = {"id": "m", "messages": msgs, "reasoning": "r2", "content": "two"}
+    final = tokenize_sample(sample, k25)
+    every = tokenize_sample(sample, k25, loss_on="all")
+    assert final.input_ids == every.input_ids
+    extra = [i for i, (a, b) in enumerate(zip(final.loss_mask, every.loss_mask)) if a != b]
+    assert extra, "the earlier assistant turn must be supervised with --loss-on all"
+    tok = k25.tokenizer
+    # The earlier turn is rendered by the template with its reasoning dropped (K2.5 behaviour).
+    assert tok.decode([every.input_ids[i] for i in extra]) == "</think>one<|im_end|>"
+    assert "hidden" not in tok.decode(final.input_ids)
+
+
+@SETTINGS
+@given(reasoning=plain_text, content=plain_text, question=plain_text.filter(lambda s: s.strip()))
+def test_property_paths_agree_and_mask_covers_exactly_the_generation(k25, thinking_first, reasoning, content, question):
+    for fmt in (k25, thinking_first):
+        tok = fmt.tokenizer
+        msgs = [{"role": "user", "content": question}]
+        prompt = fmt.render(msgs, add_generation_prompt=True)
+        by_text = tokenize_sample({"id": "p", "messages": msgs, "reasoning": reasoning, "content": content}, fmt)
+        gen = by_text.input_ids[by_text.prompt_len:]
+        by_ids = tokenize_sample({"id": "p", "messages": msgs, "prompt_token_ids": prompt, "token_ids": gen,
+                                  "reasoning": reasoning, "content": content}, fmt)
+        assert by_ids.mismatch is None and by_ids.input_ids == by_text.input_ids
+        assert len(by_text.loss_mask) == len(by_text.input_ids)
+        assert by_text.loss_mask == [0] * len(prompt) + [1] * len(gen)
+        # The masked span decodes to the generated text with the think tokens exactly in place.
+        masked = [t for t, m in zip(by_text.input_ids, by_text.loss_mask) if m]
+        opener = "" if prompt[-1] == fmt.think_start_id else "<think>"
+        assert tok.decode(masked) == f"{opener}{reasoning}</think>{content}<|im_end|>"
+        assert masked.count(fmt.think_end_id) == 1
+
+
+@SETTINGS
+@given(n_prompt=st.integers(1, 40), n_gen=st.integers(0, 40), max_len=st.integers(1, 90))
+def test_property_truncation_keeps_lengths_consistent(k25, n_prompt, n_gen, max_len):
+    prompt, gen = list(range(10, 10 + n_prompt)), list(range(20, 20 + n_gen))
+    t = tokenize_sample({"id": "t", "messages": [{"role": "user", "content": "q"}], "prompt_token_ids": prompt,
+                         "token_ids": gen}, k25, max_seq_len=max_len)
+    assert len(t.input_ids) == len(t.loss_mask) == min(max_len, n_prompt + n_gen)
+    assert t.num_truncated == max(0, n_prompt + n_gen - max_len)
+    assert t.num_supervised == max(0, min(max_len, n_prompt + n_gen) - n_prompt)
