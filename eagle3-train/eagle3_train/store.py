@@ -28,6 +28,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; outputs should read like any file
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -37,6 +38,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         _unlink_quiet(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -188,6 +195,11 @@ class JsonlWriter:
         self._f.write(line)
         self._f.flush()
         if self._fsync:
+            os.fsync(self._f.fileno())
+
+    def sync(self) -> None:
+        """fsync now (for writers opened with fsync=False that sync on a timer instead)."""
+        if not self._f.closed:
             os.fsync(self._f.fileno())
 
     def close(self) -> None:
