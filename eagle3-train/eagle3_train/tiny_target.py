@@ -28,7 +28,8 @@ def _render(tokenizer, ex: dict) -> tuple[list[int], list[int]]:
 
 def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: float = 3e-3,
                       seed: int = 0, n_examples: int = 20000, device: str = "cpu",
-                      tokenizer_dir: Path | None = None, hidden: int = 64, log=print) -> dict:
+                      tokenizer_dir: Path | None = None, hidden: int = 64, check_n: int = 30,
+                      log=print) -> dict:
     import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
@@ -76,7 +77,8 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
              "torch": torch.__version__, "threads": torch.get_num_threads(), "final_loss": losses[-1],
              "train_seconds": round(time.time() - t0, 1),
              "params": sum(p.numel() for p in model.parameters())}
-    stats.update(check_tiny_target(out_dir))
+    if check_n:
+        stats.update(check_tiny_target(out_dir, n=check_n))
     (out_dir / "training_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     import shutil
     shutil.rmtree(tok_dir, ignore_errors=True)
