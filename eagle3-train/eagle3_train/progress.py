@@ -32,6 +32,7 @@ class Progress:
         self._t0 = time.monotonic()
         self._last_log = 0.0
         self.every_s = every_s
+        self.unit = unit
         self.log_path = Path(log_path) if log_path else None
         self.bar = tqdm(total=total, initial=initial, desc=stage, unit=unit, dynamic_ncols=True,
                         disable=disable, smoothing=0.1)
@@ -58,7 +59,7 @@ class Progress:
         pct = 100.0 * self.done / self.total if self.total else 100.0
         now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         parts = [f"{now} {self.stage} done {self.done}/{self.total} ({pct:.1f}%) errors {self.errors}",
-                 f"{rate:.2f} it/s", f"{tok_rate:.0f} tok/s", f"eta {_fmt_eta(eta)}"]
+                 f"{rate:.2f} {self.unit}/s", f"{tok_rate:.0f} tok/s", f"eta {_fmt_eta(eta)}"]
         parts += [f"{k} {v}" for k, v in self.extra.items()]
         if note:
             parts.append(note)

@@ -234,6 +234,19 @@ def pending_ids(requested: Sequence[str], committed: Iterable[str]) -> list[str]
 
 # ----------------------------------------------------------------------------- lock
 
+def _unusable_dir(directory: Path, e: OSError) -> str:
+    """Why an output directory cannot be used, in one line (a file in the way, read-only, ...)."""
+    if e.errno in (errno.EEXIST, errno.ENOTDIR):
+        blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), directory)
+        return f"output directory {directory} cannot be created: {blocker} is a file, not a directory"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        ro = " (read-only file system)" if e.errno == errno.EROFS else ""
+        return f"output directory {directory} is not writable{ro}"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"output directory {directory}: no space left on device; free space and rerun"
+    return f"output directory {directory} cannot be used: {e.strerror or e}"
+
+
 class DirLock:
     """An exclusive lock on an output directory, so two processes never interleave writes there.
     flock is released by the kernel when the holder dies, so kill -9 leaves no stale lock."""
@@ -246,13 +259,13 @@ class DirLock:
     def __enter__(self):
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-        except PermissionError:
-            raise PipelineError(f"output directory {self.directory} is not writable") from None
+        except OSError as e:
+            raise PipelineError(_unusable_dir(self.directory, e)) from None
         path = self.directory / ".lock"
         try:
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except PermissionError:
-            raise PipelineError(f"output directory {self.directory} is not writable") from None
+        except OSError as e:
+            raise PipelineError(_unusable_dir(self.directory, e)) from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -1,0 +1,333 @@
+"""01b: prompts -> the target's own answers, one JSONL record per sample, losing nothing.
+
+Output directory:
+  raw_responses.jsonl  one record per answered id (see DESIGN.md), appended as each completes
+  errors.jsonl         ids with no answer yet and why (after a run: each failed id once, and no
+                       id that is also in raw_responses.jsonl)
+  run_config.json      what defines the data (input, model, sampling): a resume must match it
+  progress.log         a plain line every --progress-every seconds, for `tail -f`
+  manifest.json        written last; only then is the output complete
+
+Resume is the default: work = requested ids - ids in raw_responses.jsonl, so ids that only
+failed are retried, and no id is ever written twice. Ctrl-C / SIGTERM cancel the requests in
+flight and close the files between two records; kill -9 leaves at most a torn last line, which
+the next run cuts off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import hashlib
+import json
+import os
+import signal
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from .client import ChatClient
+from .errors import PipelineError
+from .manifest import MANIFEST, describe_file, write_manifest
+from .progress import Progress
+from .prompts import Prompt, load_prompts, parse_shard
+from .store import DirLock, JsonlWriter, atomic_write_json, atomic_write_text, clean_temp_files, \
+    pending_ids, read_jsonl
+
+STAGE = "01b"
+RAW = "raw_responses.jsonl"
+ERRORS = "errors.jsonl"
+RUN_CONFIG = "run_config.json"
+PROGRESS_LOG = "progress.log"
+# What makes records one data set. Endpoints, concurrency, timeout, retries, --limit and --shard
+# only decide how and how much is generated, so they may change between a run and its resume.
+IDENTITY_KEYS = ("input", "split", "dataset_config", "model", "max_tokens", "temperature", "top_p",
+                 "seed", "chat_template_kwargs", "extra_body")
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# ----------------------------------------------------------------------------- planning (pure)
+
+@dataclass
+class Plan:
+    pending: list[str]    # ids to request now, in input order
+    done: int             # requested ids already answered
+    retrying: int         # pending ids that failed in an earlier run
+
+
+def plan_work(requested: list[str], committed, failed) -> Plan:
+    """Work = requested - committed (store.pending_ids); failures are simply not committed."""
+    committed, failed = set(committed), set(failed)
+    pending = pending_ids(requested, committed)
+    return Plan(pending, sum(1 for i in set(requested) if i in committed),
+                sum(1 for i in pending if i in failed))
+
+
+def sample_seed(seed: int | None, pid: str) -> int | None:
+    """Per-sample seed from the run seed and the id: reproducible, yet not one stream for all."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + int(hashlib.sha256(pid.encode()).hexdigest()[:8], 16)) % (2 ** 31)
+
+
+def sampling_for(args, pid: str) -> dict:
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "seed": sample_seed(args.seed, pid)}
+
+
+def identity(args, input_desc: dict) -> dict:
+    src = input_desc.get("path") or input_desc.get("name") or args.input
+    return {"input": src, "split": args.split if input_desc.get("kind") == "dataset" else None,
+            "dataset_config": args.dataset_config, "model": args.model, "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+            "chat_template_kwargs": args.chat_template_kwargs or {}, "extra_body": args.extra_body or {}}
+
+
+# ----------------------------------------------------------------------------- output directory
+
+def move_aside(out_dir: Path) -> Path | None:
+    """--overwrite: the old output goes to `replaced-<time>/` inside the directory, never deleted."""
+    names = [RAW, ERRORS, RUN_CONFIG, PROGRESS_LOG, MANIFEST, "tokenized"]
+    present = [n for n in names if (out_dir / n).exists()]
+    if not present:
+        return None
+    dest = out_dir / f"replaced-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    dest.mkdir()
+    for n in present:
+        os.replace(out_dir / n, dest / n)
+    return dest
+
+
+def check_identity(out_dir: Path, ident: dict) -> None:
+    """Refuse to mix data sets in one directory, naming the first differing key and both values."""
+    path = out_dir / RUN_CONFIG
+    if not path.exists():
+        if (out_dir / RAW).exists() and (out_dir / RAW).stat().st_size:
+            raise PipelineError(f"{out_dir} has {RAW} but no {RUN_CONFIG}: not written by this stage? "
+                                "use another --output-dir, or --overwrite to move it aside")
+        atomic_write_json(path, ident)
+        return
+    try:
+        old = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise PipelineError(f"{path} is not valid JSON; fix it or pass --overwrite") from None
+    for key in IDENTITY_KEYS:
+        if old.get(key) != ident.get(key):
+            raise PipelineError(
+                f"{out_dir} holds answers made with {key}={old.get(key)!r}, but this run uses "
+                f"{key}={ident.get(key)!r}; rerun with the same value, use another --output-dir, "
+                "or pass --overwrite (moves the old output aside)")
+
+
+def compact_errors(path: Path, committed: set[str]) -> dict[str, dict]:
+    """Keep one line (the latest) per id that still has no answer; atomic rewrite."""
+    latest: dict[str, dict] = {}
+    for rec in read_jsonl(path):
+        if "id" in rec and rec["id"] not in committed:
+            latest[rec["id"]] = rec
+    if path.exists():
+        atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n"
+                                        for r in latest.values()))
+    return latest
+
+
+def committed_ids(path: Path) -> list[str]:
+    ids = [rec["id"] for rec in read_jsonl(path) if "id" in rec]
+    dup = len(ids) - len(set(ids))
+    if dup:  # cannot come from this stage; say so instead of training on doubles
+        raise PipelineError(f"{path} has {dup} duplicate ids: it was edited or concatenated by hand")
+    return ids
+
+
+# ----------------------------------------------------------------------------- the run
+
+class _Abort(Exception):
+    pass
+
+
+@dataclass
+class RunResult:
+    requested: int
+    answered: int
+    failed: int
+    interrupted: str | None
+    new_answers: int
+    new_errors: int
+    tokens: int
+
+
+async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progress) -> dict:
+    client = ChatClient(args.base_url, args.model, timeout=args.timeout, max_retries=args.max_retries,
+                        backoff_base=args.backoff_base, backoff_max=args.backoff_max,
+                        connect_timeout=args.connect_timeout, api_key=args.api_key,
+                        concurrency=args.concurrency, transport=args.transport)
+    loop = asyncio.get_running_loop()
+    stats = {"answered": 0, "failed": 0, "tokens": 0, "interrupted": None, "finish": Counter(),
+             "error_types": Counter()}
+    written: set[str] = set()
+    consecutive = [0]
+    it = iter(prompts)
+    raw = JsonlWriter(out_dir / RAW, fsync=False)
+    err = JsonlWriter(out_dir / ERRORS, fsync=False)
+
+    async def worker():
+        for p in it:
+            sampling = sampling_for(args, p.id)
+            body = client.body(p.messages, sampling, chat_template_kwargs=args.chat_template_kwargs,
+                               extra_body=args.extra_body)
+            out = await client.complete(body)
+            # From here to the next await nothing can interrupt: a record is written whole or not.
+            if p.id in written:
+                continue
+            written.add(p.id)
+            if out.ok:
+                a = out.answer
+                raw.write({"id": p.id, "messages": p.messages, **a, "sampling": sampling,
+                           "endpoint": out.endpoint, "latency_s": out.latency_s, "attempts": out.attempts,
+                           "created": _now()})
+                stats["answered"] += 1
+                stats["tokens"] += len(a["token_ids"])
+                stats["finish"][a["finish_reason"]] += 1
+                consecutive[0] = 0
+                progress.update(1, tokens=len(a["token_ids"]))
+            else:
+                e = out.error
+                err.write({"id": p.id, **e, "created": _now()})
+                stats["failed"] += 1
+                stats["error_types"][e["error_type"]] += 1
+                consecutive[0] += 1
+                progress.update(1, errors=1, last_error=e["error_type"])
+                if args.abort_after and consecutive[0] >= args.abort_after:
+                    raise _Abort(f"{consecutive[0]} requests in a row failed after retries (last: "
+                                 f"{e['error_type']}: {e['message']}); the server looks down or "
+                                 "misconfigured; fix it and rerun the same command to resume")
+
+    async def syncer():
+        while True:
+            await asyncio.sleep(2.0)
+            raw.sync()
+            err.sync()
+
+    main_task = asyncio.current_task()
+    tasks: list[asyncio.Task] = []
+
+    def on_signal(name):
+        if stats["interrupted"] is None:
+            stats["interrupted"] = name
+            busy = sum(1 for t in tasks if not t.done())
+            progress.bar.write(f"{name}: stopping; {busy} requests in flight are abandoned "
+                               "(they stay pending; rerun the same command to resume)")
+        for t in tasks:
+            t.cancel()
+        if not tasks:
+            main_task.cancel()
+
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    for s in sigs:
+        loop.add_signal_handler(s, on_signal, s.name)
+    sync_task = asyncio.create_task(syncer())
+    abort = None
+    try:
+        async with client:
+            if not args.no_preflight:
+                for w in await client.preflight():
+                    progress.bar.write(f"warning: {w}")
+            tasks.extend(asyncio.create_task(worker()) for _ in range(min(args.concurrency, len(prompts))))
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+            abort = next((t.exception() for t in failed if isinstance(t.exception(), _Abort)), None)
+            if failed:  # an abort, a full disk, a bug: stop the other workers too
+                for t in tasks:
+                    t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for t in tasks:
+                if not t.cancelled() and t.exception() is not None and not isinstance(t.exception(), _Abort):
+                    raise t.exception()
+    except asyncio.CancelledError:
+        if stats["interrupted"] is None:
+            raise
+    finally:
+        sync_task.cancel()
+        for s in sigs:
+            loop.remove_signal_handler(s)
+        raw.close()
+        err.close()
+    if abort is not None:
+        raise PipelineError(str(abort))
+    stats["retries"] = client.retries
+    stats["endpoints"] = {e.url: {"ok": e.ok, "failed_attempts": e.failed} for e in client.endpoints}
+    return stats
+
+
+def run_generation(args) -> RunResult:
+    """The whole stage for parsed args (see 01b_generate_synthetic.py)."""
+    out_dir = Path(args.output_dir)
+    shard = parse_shard(args.shard)
+    with DirLock(out_dir, STAGE):
+        clean_temp_files(out_dir)
+        if args.overwrite:
+            moved = move_aside(out_dir)
+            if moved:
+                print(f"--overwrite: moved the previous output to {moved}")
+        ps = load_prompts(args.input, split=args.split, config=args.dataset_config, limit=args.limit,
+                          shard=shard, id_key=args.id_field, skip_invalid=args.skip_invalid)
+        check_identity(out_dir, identity(args, ps.source))
+        raw_path, err_path = out_dir / RAW, out_dir / ERRORS
+        JsonlWriter(raw_path).close()  # repairs a torn tail left by kill -9 before we read it
+        committed = set(committed_ids(raw_path))
+        failed = compact_errors(err_path, committed)
+        plan = plan_work(ps.ids, committed, failed)
+        by_id = {p.id: p for p in ps.prompts}
+        todo = [by_id[i] for i in plan.pending]
+        print(f"01b: {len(ps.ids)} prompts requested, {plan.done} already answered, {len(todo)} to do"
+              + (f" ({plan.retrying} failed before, retrying)" if plan.retrying else ""))
+        stats = {"answered": 0, "failed": 0, "tokens": 0, "interrupted": None, "finish": Counter(),
+                 "error_types": Counter(), "retries": 0, "endpoints": {}}
+        if todo:
+            (out_dir / MANIFEST).unlink(missing_ok=True)  # in progress again: not complete
+            progress = Progress(STAGE, len(ps.ids), initial=plan.done, log_path=out_dir / PROGRESS_LOG,
+                                every_s=args.progress_every, unit="req")
+            note = "failed"
+            try:
+                stats = asyncio.run(_generate(todo, args, out_dir, progress))
+                note = f"stopped by {stats['interrupted']}" if stats["interrupted"] else "finished"
+            finally:
+                progress.close(note)
+        committed = set(committed_ids(raw_path))
+        failed = compact_errors(err_path, committed)
+        requested = set(ps.ids)
+        answered = len(requested & committed)
+        still_failed = len(requested & set(failed))
+        if stats["interrupted"] is None:
+            _write_manifest(out_dir, args, ps, answered, still_failed, stats)
+        return RunResult(len(ps.ids), answered, still_failed, stats["interrupted"], stats["answered"],
+                         stats["failed"], stats["tokens"])
+
+
+def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: dict) -> None:
+    finish, prompt_tokens, gen_tokens = Counter(), 0, 0
+    requested = set(ps.ids)
+    for rec in read_jsonl(out_dir / RAW):
+        if rec.get("id") in requested:
+            finish[rec.get("finish_reason")] += 1
+            prompt_tokens += len(rec.get("prompt_token_ids") or ())
+            gen_tokens += len(rec.get("token_ids") or ())
+    error_types = Counter(r.get("error_type") for r in read_jsonl(out_dir / ERRORS))
+    config = {k: v for k, v in vars(args).items() if not callable(v)}
+    if config.get("api_key") not in (None, "EMPTY"):
+        config["api_key"] = "<redacted>"
+    write_manifest(
+        out_dir, STAGE, config=config, inputs={"prompts": ps.describe()},
+        outputs={"raw_responses": describe_file(out_dir / RAW),
+                 "errors": describe_file(out_dir / ERRORS) if (out_dir / ERRORS).exists() else None},
+        counts={"requested": len(ps.ids), "answered": answered, "failed": failed,
+                "finish_reasons": dict(finish), "error_types": dict(error_types),
+                "prompt_tokens": prompt_tokens, "generated_tokens": gen_tokens,
+                "records_in_file": sum(1 for _ in read_jsonl(out_dir / RAW)),
+                "this_run": {"answered": stats["answered"], "failed": stats["failed"],
+                             "retries": stats["retries"]}},
+        target={"model": args.model, "base_urls": list(args.base_url)},
+        identity=identity(args, ps.source))

@@ -1,0 +1,142 @@
+"""The tokenize step (01b --tokenize / 01c): raw answers -> training JSONL, with every drop counted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3_train.dataset import DATA, TrainingSet, build_training_set
+from eagle3_train.errors import PipelineError
+from eagle3_train.manifest import tokenizer_fingerprint, write_manifest
+from eagle3_train.store import JsonlWriter, file_sha256
+from eagle3_train.tiny import synthetic_examples
+from eagle3_train.tokenization import ChatFormat
+
+
+@pytest.fixture(scope="module")
+def fmt(k25_tokenizer):
+    return ChatFormat.from_tokenizer(k25_tokenizer)
+
+
+def answer(fmt, i, ex, finish="stop"):
+    """A record as 01b stores it, with the ids the target itself would have returned."""
+    tok = fmt.tokenizer
+    msgs = [{"role": "user", "content": ex["question"]}]
+    prompt = fmt.render(msgs, add_generation_prompt=True)
+    gen = tok.encode(ex["reasoning"], add_special_tokens=False)
+    content = None
+    if finish == "stop":
+        content = ex["answer"]
+        gen += [fmt.think_end_id] + tok.encode(content, add_special_tokens=False) + [fmt.end_of_turn_id]
+    return {"id": f"s{i:03d}", "messages": msgs, "reasoning": ex["reasoning"], "content": content,
+            "prompt_token_ids": prompt, "token_ids": gen, "finish_reason": finish}
+
+
+def raw_dir(tmp_path, records, complete=True):
+    d = tmp_path / "gen"
+    with JsonlWriter(d / "raw_responses.jsonl") as w:
+        for r in records:
+            w.write(r)
+    if complete:
+        write_manifest(d, "01b", config={"model": "tiny"}, counts={"records_in_file": len(records)},
+                       target={"model": "tiny"})
+    return d
+
+
+@pytest.fixture
+def records(fmt):
+    exs = synthetic_examples(8, seed=3)
+    recs = [answer(fmt, i, ex) for i, ex in enumerate(exs)]
+    recs[5] = answer(fmt, 5, exs[5], finish="length")
+    return recs
+
+
+def test_ids_path_is_kept_and_counts_add_up(tmp_path, fmt, records, capsys):
+    d = raw_dir(tmp_path, records)
+    m = build_training_set(d, d / "tokenized", fmt, tokenizer_name="k25")
+    ts = TrainingSet(d / "tokenized")
+    got = list(ts)
+    assert [r["id"] for r in got] == [r["id"] for r in records]
+    for rec, raw in zip(got, records):
+        assert rec["input_ids"] == raw["prompt_token_ids"] + raw["token_ids"]  # path (a), exactly
+        assert rec["loss_mask"] == [0] * len(raw["prompt_token_ids"]) + [1] * len(raw["token_ids"])
+        assert rec["stats"]["mismatch"] is None and rec["stats"]["source"] == "token_ids"
+    c = m["counts"]
+    assert (c["samples"], c["input_records"], c["mismatched"], c["kept_length"], c["dropped_length"]) == (8, 8, 0, 1, 0)
+    assert c["finish_reasons"] == {"stop": 7, "length": 1}
+    assert m["tokenizer"]["fingerprint"] == tokenizer_fingerprint(fmt.tokenizer)
+    assert m["chat_format"] == fmt.describe()
+    assert m["inputs"]["raw_responses"]["sha256"] == file_sha256(d / "raw_responses.jsonl")
+    assert "tokenize: 8 samples" in capsys.readouterr().out
+
+
+def test_mismatch_is_reported_with_both_sides(tmp_path, fmt, records, capsys):
+    bad = records[2]
+    bad["token_ids"][3] = (bad["token_ids"][3] + 1) % len(fmt.tokenizer)  # ids disagree with the text
+    d = raw_dir(tmp_path, records)
+    m = build_training_set(d, d / "tokenized", fmt, tokenizer_name="k25")
+    assert m["counts"]["mismatched"] == 1
+    ex = m["mismatch_examples"][0]
+    assert ex["id"] == bad["id"] and ex["count"] == 1 and not ex["in_prompt"]
+    assert ex["first"] == len(bad["prompt_token_ids"]) + 3 and ex["ids_side"] != ex["text_side"]
+    rec = next(r for r in TrainingSet(d / "tokenized") if r["id"] == bad["id"])
+    assert rec["input_ids"] == bad["prompt_token_ids"] + bad["token_ids"]  # (a) kept, and flagged
+    assert rec["stats"]["mismatch"]["count"] == 1
+    assert f"mismatch {bad['id']}" in capsys.readouterr().out
+
+
+def test_drop_length_truncation_and_no_supervised_tokens(tmp_path, fmt, records):
+    long_prompt = answer(fmt, 99, {"question": "word " * 300, "reasoning": "r", "answer": "a"})
+    d = raw_dir(tmp_path, records + [long_prompt])
+    m = build_training_set(d, d / "tok", fmt, tokenizer_name="k25", max_seq_len=64, keep_length=False)
+    c = m["counts"]
+    assert c["dropped_length"] == 1 and c["kept_length"] == 0
+    assert c["dropped_no_supervised_tokens"] == 1  # its prompt alone fills max_seq_len
+    assert c["samples"] == 7 and c["truncated"] >= 1
+    assert all(len(r["input_ids"]) <= 64 and sum(r["loss_mask"]) > 0 for r in TrainingSet(d / "tok"))
+    ids = [r["id"] for r in TrainingSet(d / "tok")]
+    assert records[5]["id"] not in ids and "s099" not in ids
+
+
+def test_up_to_date_output_is_not_rebuilt_but_a_changed_input_is(tmp_path, fmt, records, capsys):
+    d = raw_dir(tmp_path, records[:4])
+    build_training_set(d, d / "tok", fmt, tokenizer_name="k25")
+    mtime = (d / "tok" / DATA).stat().st_mtime_ns
+    capsys.readouterr()
+    build_training_set(d, d / "tok", fmt, tokenizer_name="k25")
+    assert "up to date" in capsys.readouterr().out and (d / "tok" / DATA).stat().st_mtime_ns == mtime
+    with JsonlWriter(d / "raw_responses.jsonl") as w:
+        w.write(records[4])
+    m = build_training_set(d, d / "tok", fmt, tokenizer_name="k25")
+    assert m["counts"]["samples"] == 5
+
+
+def test_refuses_an_incomplete_generation(tmp_path, fmt, records):
+    d = raw_dir(tmp_path, records, complete=False)
+    with pytest.raises(PipelineError, match="incomplete.*01b"):
+        build_training_set(d, d / "tok", fmt, tokenizer_name="k25")
+
+
+def test_another_tokenizer_is_one_error_line(tmp_path, fmt, records):
+    records[0]["token_ids"].append(10_000)  # an id the tiny vocabulary cannot have
+    d = raw_dir(tmp_path, records)
+    with pytest.raises(PipelineError, match="outside the tokenizer's vocabulary"):
+        build_training_set(d, d / "tok", fmt, tokenizer_name="k25")
+    assert not (d / "tok" / DATA).exists() and not list((d / "tok").glob(".tmp-*"))
+
+
+def test_01c_cli(tmp_path, fmt, records, k25_tokenizer_dir, capsys):
+    from helpers import load_script
+
+    from eagle3_train.errors import run_main
+
+    main = load_script("01c_tokenize").main
+    d = raw_dir(tmp_path, records)
+    assert run_main(main, ["--raw-dir", str(d), "--tokenizer", str(k25_tokenizer_dir), "--drop-length"]) == 0
+    assert "dropped: length 1" in capsys.readouterr().out
+    m = json.loads((d / "tokenized" / "manifest.json").read_text())
+    assert m["stage"] == "tokenize" and m["counts"]["samples"] == 7
+    assert run_main(main, ["--raw-dir", str(tmp_path / "nope"), "--tokenizer", str(k25_tokenizer_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "does not exist" in err
