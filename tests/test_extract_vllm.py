@@ -1,0 +1,230 @@
+"""02's vllm backend: the server flags, reading the connector's per-request files, repacking them.
+
+vLLM's ExampleHiddenStatesConnector cannot write on CPU (it needs CUDA pinned memory), so:
+  - the real-vLLM test (marked `vllm`) proves that vLLM 0.32 accepts our exact flags and answers in
+    the format we parse, and that the failure of the CPU build comes back as one clear line;
+  - the repacking is tested end to end against a stand-in for the completions endpoint that writes
+    files exactly as the connector does (safetensors `hidden_states` [T, n ids, H] + `token_ids`,
+    ids ascending and each once, behind a `.lock` held with LOCK_EX until written after the
+    response), computed by a plain HF forward; the stored result must equal the hf backend's.
+  - scripts/gpu_check_02.py runs the real thing on a GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import load_script, make_training_set
+from safetensors.torch import save_file
+
+from eagle3_train import hidden_store as hs
+from eagle3_train import vllm_extract as vx
+from eagle3_train.errors import PipelineError
+from eagle3_train.vllm_server import free_port
+
+stage = load_script("02_extract_hidden_states")
+
+
+def test_server_flags_ask_for_each_layer_once_in_order_and_the_last_pre_norm():
+    # DeepSeek-V3 tiny: 6 layers, aux (2, 3, 3): vLLM would store layer 3 once, so we ask once.
+    assert vx.vllm_layer_ids([2, 3, 3], 6) == [2, 3, 6]
+    assert vx.vllm_layer_ids([2, 30, 58], 61) == [2, 30, 58, 61]
+    cmd = vx.serve_command("/models/Kimi-K2.5", [2, 30, 58, 61], Path("/data/hs-req"), max_model_len=16385,
+                           tensor_parallel_size=8)
+    assert cmd.startswith("vllm serve /models/Kimi-K2.5 ")
+    spec = json.loads(cmd.split("--speculative-config ")[1].split("' ")[0].strip("'"))
+    assert spec == {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 58, 61]}}}
+    kv = json.loads(cmd.split("--kv-transfer-config ")[1].split("' ")[0].strip("'"))
+    assert kv == {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                  "kv_connector_extra_config": {"shared_storage_path": "/data/hs-req"}}
+    for flag in ("--max-model-len 16385", "--tensor-parallel-size 8", "--no-enable-prefix-caching"):
+        assert flag in cmd
+
+
+def _connector_file(path: Path, states: torch.Tensor, token_ids, *, write_after_s: float = 0.0):
+    """Write `path` as the connector does: lock first (LOCK_EX), file later, then release."""
+    fd = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+
+    def write():
+        time.sleep(write_after_s)
+        save_file({"hidden_states": states.contiguous(), "token_ids": torch.tensor(token_ids)}, str(path))
+        os.close(fd)
+
+    if write_after_s:
+        threading.Thread(target=write, daemon=True).start()
+    else:
+        write()
+
+
+def test_read_request_file_waits_for_the_lock_and_maps_the_layers(tmp_path):
+    T, H = 5, 8
+    states = torch.randn(T, 3, H)  # vLLM ids [2, 3, 6] for aux (2, 3, 3) and N = 6
+    ids = [3, 1, 4, 1, 5]
+    path = tmp_path / "cmpl-1.safetensors"
+    _connector_file(path, states, ids, write_after_s=0.3)
+    assert not path.exists()
+    got = vx.read_request_file(path, token_ids=ids, layer_ids=[2, 3, 6], aux_ids=[2, 3, 3], num_layers=6,
+                               hidden_size=H, timeout=30)
+    assert torch.equal(got["aux"], states[:, [0, 1, 1]]) and torch.equal(got["last"], states[:, 2])
+    with pytest.raises(PipelineError, match="token_ids differ"):
+        vx.read_request_file(path, token_ids=[3, 1, 4, 1, 6], layer_ids=[2, 3, 6], aux_ids=[2, 3, 3],
+                             num_layers=6, hidden_size=H)
+    with pytest.raises(PipelineError, match=r"shape \[5, 3, 8\], expected \[5, 4, 8\] .*layer ids \[1, 2, 3, 6\]"):
+        vx.read_request_file(path, token_ids=ids, layer_ids=[1, 2, 3, 6], aux_ids=[2, 3, 3], num_layers=6,
+                             hidden_size=H)
+    vx.remove_request_file(path)
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(PipelineError, match="never wrote it"):
+        vx.read_request_file(path, token_ids=ids, layer_ids=[2, 3, 6], aux_ids=[2, 3, 3], num_layers=6,
+                             hidden_size=H)
+
+
+def test_checkpoint_head_gives_the_targets_own_top_k(llama_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama_target_dir, dtype=torch.float32).eval()
+    model.config.tie_last_hidden_states = False
+    x = torch.tensor([[3, 40, 41, 42, 43, 44, 2]])
+    with torch.inference_mode():
+        out = model(x, output_hidden_states=True)
+    head = vx.CheckpointHead(llama_target_dir, model.config)
+    ids, lp = head(out.hidden_states[-1][0], 10)  # pre-norm last -> norm -> lm_head
+    v, i = torch.log_softmax(out.logits[0].float(), -1).topk(10, dim=-1)
+    assert torch.equal(ids, i) and torch.allclose(lp, v, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+class ConnectorStandIn:
+    """The completions endpoint of a vLLM server started with our flags, writing per-request files
+    in the connector's format from a plain HF forward (fp32), after it has answered."""
+
+    def __init__(self, model_dir: Path, layer_ids: list[int], storage: Path):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model.config.tie_last_hidden_states = False  # hidden_states[N] = pre-norm, as vLLM's id N
+        self.layer_ids, self.storage = layer_ids, storage
+        self.port = free_port()
+        self.requests = 0
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        assert self._ready.wait(30)
+        return self
+
+    def __exit__(self, *exc):
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def _serve(self):
+        from aiohttp import web
+
+        async def completions(request):
+            body = await request.json()
+            ids = list(body["prompt"])
+            assert body["max_tokens"] == 1
+            self.requests += 1
+            rid = f"cmpl-{uuid.uuid4().hex[:16]}-0"
+            path = self.storage / f"{rid}.safetensors"
+            with torch.inference_mode():
+                out = self.model(torch.tensor([ids]), output_hidden_states=True)
+            states = torch.stack([out.hidden_states[i][0] for i in self.layer_ids], dim=1)
+            _connector_file(path, states, ids, write_after_s=0.05)
+            return web.json_response({
+                "id": rid, "object": "text_completion", "created": int(time.time()), "model": body["model"],
+                "choices": [{"index": 0, "text": "x", "finish_reason": "length", "prompt_token_ids": ids,
+                             "token_ids": [int(out.logits[0, -1].argmax())]}],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1},
+                "kv_transfer_params": {"hidden_states_path": str(path)}})
+
+        async def main():
+            self._stop = asyncio.Event()
+            app = web.Application()
+            app.router.add_post("/v1/completions", completions)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", self.port).start()
+            self._ready.set()
+            await self._stop.wait()
+            await runner.cleanup()
+
+        self._loop = asyncio.new_event_loop()
+        self._loop.run_until_complete(main())
+
+
+@pytest.fixture(scope="module")
+def tokset(tmp_path_factory, k25_tokenizer_dir):
+    return make_training_set(tmp_path_factory.mktemp("tok") / "tokenized", k25_tokenizer_dir, n=8, seed=7)
+
+
+def test_without_a_server_it_prints_the_vllm_serve_command(tmp_path, tokset, llama_target_dir, capsys):
+    with pytest.raises(PipelineError, match="needs a server: start it with the command printed above"):
+        stage.main(["--input", str(tokset), "--model", str(llama_target_dir), "--output", str(tmp_path / "hs"),
+                    "--backend", "vllm"])
+    printed = capsys.readouterr().out
+    assert f"vllm serve {llama_target_dir}" in printed and '"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]' in printed
+    assert str((tmp_path / "hs" / ".vllm-requests").resolve()) in printed
+
+
+@pytest.mark.parametrize("storage", ["fp32", "fp8-topk"])
+def test_vllm_backend_repacks_connector_files_into_the_same_store_as_hf(tmp_path, tokset, llama_target_dir, storage):
+    common = ["--input", str(tokset), "--model", str(llama_target_dir), "--storage", storage, "--topk", "6",
+              "--shard-mb", "0.1"]
+    assert stage.main([*common, "--output", str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    req_dir = tmp_path / "requests"
+    req_dir.mkdir()
+    with ConnectorStandIn(llama_target_dir, [2, 4, 5, 8], req_dir) as srv:
+        assert stage.main([*common, "--output", str(tmp_path / "vl"), "--backend", "vllm", "--server-url", srv.url,
+                           "--hidden-states-dir", str(req_dir), "--concurrency", "3"]) == 0
+        assert srv.requests == 8
+    assert not list(req_dir.iterdir())  # every per-request file (and lock) was deleted
+    a, b = hs.HiddenStates(tmp_path / "hf"), hs.HiddenStates(tmp_path / "vl")
+    assert a.ids == b.ids and b.manifest["backend"] == "vllm" and b.layer_ids == [2, 4, 5, 8]
+    for sid in a.ids:
+        x, y = a.get(sid), b.get(sid)
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
+        assert torch.allclose(x.aux, y.aux, atol=1e-3, rtol=1e-3)
+        if storage == "fp32":
+            assert torch.allclose(x.last, y.last, atol=1e-4, rtol=1e-4)
+        else:
+            assert (x.topk_ids[:, 0] == y.topk_ids[:, 0]).float().mean() == 1.0
+            assert torch.allclose(x.topk_logprobs, y.topk_logprobs, atol=2e-2)
+
+
+@pytest.mark.vllm
+def test_real_vllm_accepts_our_flags_and_the_cpu_failure_is_one_clear_line(tmp_path, tokset, llama_target_dir):
+    """vLLM 0.32 (CPU build) starts with the extractor flags and answers with kv_transfer_params;
+    its connector then fails for want of CUDA, which must surface as one line, not a hang."""
+    from eagle3_train.vllm_server import VllmServer
+
+    req_dir = tmp_path / "requests"
+    req_dir.mkdir()
+    args = vx.server_args(vx.vllm_layer_ids([2, 4, 5], 8), req_dir)
+    with VllmServer(llama_target_dir, reasoning_parser=None, max_model_len=512, extra_args=args,
+                    log_path=tmp_path / "vllm.log") as srv:
+        with pytest.raises(PipelineError, match=r"vLLM named .*\.safetensors but never wrote it"):
+            stage.main(["--input", str(tokset), "--model", str(llama_target_dir), "--output", str(tmp_path / "hs"),
+                        "--backend", "vllm", "--server-url", srv.base_url, "--hidden-states-dir", str(req_dir),
+                        "--concurrency", "1", "--request-timeout", "120"])
+    log = (tmp_path / "vllm.log").read_text(errors="replace")
+    assert "extract_hidden_states" in log and "ExampleHiddenStatesConnector" in log
+    assert not list(req_dir.glob("*.safetensors*"))  # nothing left behind
+    assert not list((tmp_path / "hs").glob("shard-*"))
