@@ -1,0 +1,306 @@
+"""04_train in one process on CPU: outputs, resume = uninterrupted, input checks, top-k targets,
+packing / split / alignment, and a run on inputs made by the real 02 and 03 stages."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import load_script
+from helpers_train import build_mapping, build_store
+from safetensors.torch import load_file
+
+from eagle3_train import train as T
+from eagle3_train.errors import PipelineError
+
+stage = load_script("04_train")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, llama_target_dir):
+    root = tmp_path_factory.mktemp("train")
+    store = build_store(root / "store", llama_target_dir, n=20, shard_size=7)
+    mapping = build_mapping(root / "map", store, llama_target_dir, 96)
+    return {"store": store, "map": mapping, "target": llama_target_dir, "root": root}
+
+
+def argv(inputs, out, *extra):
+    return ["--hidden-states", str(inputs["store"]), "--vocab-mapping", str(inputs["map"]),
+            "--target", str(inputs["target"]), "--out", str(out), "--max-tokens-per-batch", "256",
+            "--ttt-steps", "3", "--val-fraction", "0.25", "--save-every", "3", "--log-every", "1",
+            "--epochs", "2", "--lr", "3e-3", "--quiet", "--threads", "1", *extra]
+
+
+def train(inputs, out, *extra, on_step=None):
+    args = stage.parse_args(argv(inputs, out, *extra))
+    stage.check_args(args)
+    return T.run(args, on_step=on_step)
+
+
+@pytest.fixture(scope="module")
+def reference(inputs):
+    """One uninterrupted run, shared by the tests that compare against it."""
+    out = inputs["root"] / "ref"
+    train(inputs, out)
+    return out
+
+
+def test_run_writes_checkpoints_metrics_curves_export_and_manifest(reference, inputs, capsys):
+    from eagle3_train.manifest import read_manifest
+
+    man = read_manifest(reference, T.STAGE)
+    steps = man["counts"]["steps"]
+    assert steps >= 6
+    m = T.read_metrics(reference)
+    assert [r["step"] for r in m["train"]] == list(range(1, steps + 1))
+    rec = m["train"][-1]
+    assert len(rec["loss_by_step"]) == 3 and len(rec["acc_cond"]) == 3 and len(rec["acc_cum"]) == 3
+    assert rec["tokens_per_s"] > 0 and rec["lr"] >= 0 and rec["acceptance_length"] >= 1
+    assert m["train"][-1]["loss"] < m["train"][0]["loss"]  # it learns
+    val_steps = [r["step"] for r in m["val"]]
+    assert val_steps == sorted({*range(3, steps + 1, 3), steps})
+    assert all(1 <= r["acceptance_length"] <= 4 and len(r["al_by_depth"]) == 3 for r in m["val"])
+    kept = [s for s, _ in T.checkpoints(reference)]
+    best = man["best"]["step"]
+    assert kept[-2:] == sorted({*range(3, steps + 1, 3), steps})[-2:] and best in kept
+    assert len(kept) <= 3
+    ck = T.checkpoints(reference)[-1][1]
+    assert {p.name for p in ck.iterdir()} >= {"weights.pt", "optimizer.pt", "trainer.pt", "state.json",
+                                              "rng", "COMPLETE"}
+    assert (reference / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert "04_train" in (reference / "progress.log").read_text()
+    export = reference / "export"
+    cfg = json.loads((export / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert man["split"]["val_ids"] and man["counts"]["exported_step"] == best
+    # The export holds the best checkpoint's trained tensors.
+    w = load_file(str(export / "model.safetensors"))
+    ckpt = torch.load(dict(T.checkpoints(reference))[best] / "weights.pt", weights_only=True)
+    assert torch.equal(w["fc.weight"], ckpt["draft.fc.weight"])
+
+    # Rerunning the finished command does nothing and says so.
+    n_lines = len((reference / T.METRICS).read_text().splitlines())
+    capsys.readouterr()
+    train(inputs, reference)
+    assert "is complete" in capsys.readouterr().out
+    assert len((reference / T.METRICS).read_text().splitlines()) == n_lines
+
+
+def test_interrupted_run_resumes_to_the_same_trajectory(reference, inputs, tmp_path):
+    """Killed between checkpoints (step 5; last checkpoint at 3), rerun: steps 4-5 are redone and
+    every logged loss and the final weights equal the uninterrupted run's."""
+    out = tmp_path / "run"
+
+    def stop(step):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(inputs, out, on_step=stop)
+    assert not (out / "manifest.json").exists()
+    assert [s for s, _ in T.checkpoints(out)] == [3]
+    train(inputs, out)
+    ref, got = T.read_metrics(reference), T.read_metrics(out)
+    assert [r["step"] for r in got["train"]] == [r["step"] for r in ref["train"]]
+    for a, b in zip(ref["train"], got["train"]):
+        assert (a["loss"], a["loss_by_step"], a["acc_cum"], a["lr"]) == \
+            (b["loss"], b["loss_by_step"], b["acc_cum"], b["lr"])
+    assert [r["acceptance_length"] for r in ref["val"]] == [r["acceptance_length"] for r in got["val"]]
+    assert any(r.get("kind") == "resume" for r in map(json.loads, (out / T.METRICS).read_text().splitlines()))
+    wa = load_file(str(reference / "export" / "model.safetensors"))
+    wb = load_file(str(out / "export" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_changed_settings_are_refused_unless_overwrite(reference, inputs, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    with pytest.raises(PipelineError, match="lr=0.003.*lr=0.001"):
+        train(inputs, out, "--lr", "1e-3", "--max-steps", "2")
+    train(inputs, out, "--lr", "1e-3", "--max-steps", "2", "--overwrite")
+    moved = [p for p in out.iterdir() if p.name.startswith("replaced-")]
+    assert len(moved) == 1 and (moved[0] / "manifest.json").exists() and (moved[0] / "export").is_dir()
+    assert json.loads((out / "manifest.json").read_text())["counts"]["steps"] == 2
+
+
+def test_mismatched_inputs_are_refused_naming_both_values(inputs, tmp_path, deepseek_target_dir):
+    bad_map = tmp_path / "map"
+    shutil.copytree(inputs["map"], bad_map)
+    man = json.loads((bad_map / "manifest.json").read_text())
+    man["tokenizer"]["fingerprint"] = "0123456789abcdef"
+    (bad_map / "manifest.json").write_text(json.dumps(man))
+    fp = json.loads((inputs["store"] / "manifest.json").read_text())["tokenizer"]["fingerprint"]
+    with pytest.raises(PipelineError, match=f"tokenizer fingerprint mismatch.*{fp}.*0123456789abcdef"):
+        stage.main(argv({**inputs, "map": bad_map}, tmp_path / "a"))
+
+    with pytest.raises(PipelineError, match="target model mismatch.*llama.*deepseek_v3"):
+        stage.main(argv({**inputs, "target": deepseek_target_dir}, tmp_path / "b"))
+
+    with pytest.raises(PipelineError, match=r"layer ids mismatch.*\[2, 4, 5\].*\[1, 4, 5\]"):
+        stage.main(argv(inputs, tmp_path / "c", "--aux-layer-ids", "1,4,5"))
+
+    # A mapping over another vocabulary size (its manifest otherwise fine).
+    from eagle3_train.vocab import save_mapping
+
+    small = tmp_path / "map-small"
+    shutil.copytree(inputs["map"], small)
+    t2d = torch.zeros(400, dtype=torch.bool)
+    t2d[:96] = True
+    save_mapping(small / "vocab_mapping.safetensors", torch.zeros(96, dtype=torch.long).numpy(), t2d.numpy())
+    with pytest.raises(PipelineError, match="target vocab size mismatch.*400.*500"):
+        stage.main(argv({**inputs, "map": small}, tmp_path / "d"))
+
+    incomplete = tmp_path / "store-incomplete"
+    shutil.copytree(inputs["store"], incomplete)
+    (incomplete / "manifest.json").unlink()
+    with pytest.raises(PipelineError, match="incomplete"):
+        stage.main(argv({**inputs, "store": incomplete}, tmp_path / "e"))
+    assert not (tmp_path / "e" / "checkpoints").exists()
+
+
+def test_damaged_shards_are_refused_naming_the_shard(inputs, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(inputs["store"], truncated)
+    shard = truncated / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(PipelineError, match="shard shard-00001.safetensors .*truncated"):
+        stage.main(argv({**inputs, "store": truncated}, tmp_path / "a"))
+
+    nan = tmp_path / "nan"
+    shutil.copytree(inputs["store"], nan)
+    shard = nan / "shard-00002.safetensors"
+    with safe_open(str(shard), "pt") as f:
+        meta = f.metadata()
+    t = load_file(str(shard))
+    t["aux"].view(-1)[5] = float("nan")
+    save_file(t, str(shard), metadata=meta)
+    from eagle3_train.hidden_store import committed_shards
+
+    sid = committed_shards(nan)[2]["ids"][0]
+    with pytest.raises(PipelineError, match=f"sample {sid} in shard shard-00002.safetensors .* NaN/inf in aux"):
+        stage.main(argv({**inputs, "store": nan}, tmp_path / "b"))
+    assert not (tmp_path / "b" / "manifest.json").exists()
+
+
+def test_topk_targets_give_the_same_loss_as_hidden_states(inputs, tmp_path, llama_target_dir):
+    """A store keeping the target's full top-k (k = vocab) instead of its last hidden state trains
+    on the same distribution: the loss of one batch matches the dense path's."""
+    from eagle3_train.hidden_store import HiddenStates
+
+    topk_store = build_store(tmp_path / "topk", llama_target_dir, n=20, shard_size=7, topk=500)
+    dense, sparse = HiddenStates(inputs["store"]), HiddenStates(topk_store)
+    args = stage.parse_args(argv(inputs, tmp_path / "x"))
+    inp = T.open_inputs(args)
+    draft, head, core, _ = T.build(args, inp, T.Dist())
+    assert not inp.topk
+    ids = dense.ids[:3]
+    b1 = T.prepare(T.collate(dense, ids, 256, [0, 1, 2]), head, 3)
+    loss1, ls1, lc1, _ = core(b1)
+    core_topk = T.Objective(draft, 3, [1.0] * 3, "eager", True, _tgt2draft(draft))
+    b2 = T.prepare(T.collate(sparse, ids, 256, [0, 1, 2]), None, 3)
+    assert b2.last is None and b2.topk_ids.shape[1] == 500
+    loss2, ls2, lc2, _ = core_topk(b2)
+    assert torch.equal(lc1, lc2)
+    torch.testing.assert_close(loss2, loss1, rtol=2e-3, atol=2e-3)
+    # ... and a run on the top-k store trains end to end.
+    args = stage.parse_args(argv({**inputs, "store": topk_store}, tmp_path / "run", "--max-steps", "3"))
+    man = T.run(args)
+    assert man["counts"]["steps"] == 3 and (tmp_path / "run" / "export" / "model.safetensors").exists()
+
+
+def _tgt2draft(draft):
+    t2d = draft.t2d.bool()
+    ids = t2d.nonzero().squeeze(1)
+    out = torch.full((t2d.shape[0],), -1, dtype=torch.long)
+    out[ids] = torch.arange(ids.shape[0])
+    return out
+
+
+def test_packing_is_deterministic_and_respects_the_budget():
+    import random
+
+    lengths = {f"s{i}": 3 + (i * 37) % 200 for i in range(300)}
+    ids = sorted(lengths)
+    a = T.pack(ids, lengths, 512, random.Random("0:0"))
+    b = T.pack(ids, lengths, 512, random.Random("0:0"))
+    c = T.pack(ids, lengths, 512, random.Random("0:1"))
+    assert a == b and a != c
+    assert sorted(i for batch in a for i in batch) == ids
+    assert all(sum(min(lengths[i] - 1, 512) for i in batch) <= 512 for batch in a)
+    fill = sum(lengths[i] - 1 for i in ids) / (512 * len(a))
+    assert fill > 0.9  # first-fit decreasing wastes little
+
+
+def test_split_is_fixed_by_id_and_matches_03_rule():
+    from eagle3_train.vocab import is_heldout
+
+    ids = [f"x{i}" for i in range(1000)]
+    lengths = dict.fromkeys(ids, 10)
+    lengths["x0"] = 2  # too short to train on
+    train, val, dropped = T.split_ids(ids, lengths, 0.1, None)
+    assert dropped == 1 and not set(train) & set(val)
+    assert val == [i for i in ids[1:] if is_heldout(i, 0.1)] and 60 < len(val) < 140
+    train2, val2, _ = T.split_ids(list(reversed(ids)), lengths, 0.1, None)
+    assert set(val2) == set(val) and set(train2) == set(train)
+
+
+def test_collate_aligns_steps_within_documents(inputs):
+    """Step k drafting after token t targets token t+1+k of the same document, supervised only."""
+    from eagle3_train.hidden_store import HiddenStates
+
+    hs = HiddenStates(inputs["store"])
+    ids = hs.ids[:3]
+    b = T.collate(hs, ids, 1024, [0, 1, 2])
+    lens = [hs.length(i) for i in ids]
+    assert b.aux.shape[1] == b.ids.shape[1] == sum(n - 1 for n in lens) and b.n_docs == 3
+    valid = T.alignment(b, 4)
+    starts = [0, lens[0], lens[0] + lens[1]]
+    for k in range(4):
+        expect = 0
+        for d, (s, n) in enumerate(zip(starts, lens)):
+            mask = hs.get(ids[d]).loss_mask
+            expect += int(mask[1 + 1 + k:].sum())  # drafts start at t >= 1, target t+1+k supervised
+        assert int(valid[k].sum()) == expect
+    # no step reaches across a document boundary
+    doc = b.full_doc
+    for k in range(4):
+        t = valid[k].nonzero().squeeze(1)
+        assert (doc[t] == doc[t + 1 + k]).all() and (doc[t] >= 0).all()
+
+
+def test_trains_on_inputs_from_the_real_02_and_03_stages(tmp_path, llama_target_dir, k25_tokenizer_dir):
+    from helpers import make_training_set
+
+    data = make_training_set(tmp_path / "tok", k25_tokenizer_dir, n=10)
+    load_script("02_extract_hidden_states").main(
+        ["--input", str(data), "--output", str(tmp_path / "hs"), "--model", str(llama_target_dir),
+         "--storage", "fp32"])
+    load_script("03_build_vocab_mapping").main(
+        ["--data", str(data), "--target", str(llama_target_dir), "--out", str(tmp_path / "vocab"),
+         "--draft-vocab-size", "80"])
+    inp = {"store": tmp_path / "hs", "map": tmp_path / "vocab", "target": llama_target_dir}
+    man = T.run(stage.parse_args(argv(inp, tmp_path / "run", "--max-steps", "2", "--val-fraction", "0.2")))
+    assert man["counts"]["steps"] == 2
+    cfg = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 80
+
+
+@pytest.mark.gpu
+def test_cuda_fast_paths_follow_the_eager_paths(inputs, tmp_path):
+    """On CUDA the defaults are compiled flex attention + speculators' fused Triton KL in bf16;
+    on the same batches they follow sdpa + eager KL. CPU twins: the runs above (sdpa + eager) and
+    test_draft's flex-vs-sdpa logits check."""
+    train(inputs, tmp_path / "fast", "--device", "cuda", "--max-steps", "4")
+    train(inputs, tmp_path / "eager", "--device", "cuda", "--attn", "sdpa", "--loss-impl", "eager",
+          "--max-steps", "4")
+    fast = [r["loss"] for r in T.read_metrics(tmp_path / "fast")["train"]]
+    eager = [r["loss"] for r in T.read_metrics(tmp_path / "eager")["train"]]
+    assert len(fast) == len(eager) == 4
+    assert fast[0] == pytest.approx(eager[0], rel=2e-2)
+    assert fast == pytest.approx(eager, rel=1e-1)
+    assert (tmp_path / "fast" / "export" / "model.safetensors").exists()

@@ -1,0 +1,95 @@
+"""04_train killed with SIGKILL at a random moment, then rerun with the same command: it resumes
+from the last complete checkpoint and ends with the same weights and loss trajectory as an
+uninterrupted run. One trial by default; `-m slow` runs a sweep of seeded kill times."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import load_script
+from helpers_train import build_mapping, build_store
+from safetensors.torch import load_file
+
+from eagle3_train import train as T
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "eagle3-train" / "04_train.py"
+stage = load_script("04_train")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, llama_target_dir):
+    root = tmp_path_factory.mktemp("resume")
+    store = build_store(root / "store", llama_target_dir, n=24, shard_size=8)
+    mapping = build_mapping(root / "map", store, llama_target_dir, 96)
+    return {"store": store, "map": mapping, "target": llama_target_dir, "root": root}
+
+
+def argv(inputs, out):
+    return ["--hidden-states", str(inputs["store"]), "--vocab-mapping", str(inputs["map"]),
+            "--target", str(inputs["target"]), "--out", str(out), "--max-tokens-per-batch", "160",
+            "--ttt-steps", "3", "--val-fraction", "0.2", "--save-every", "3", "--log-every", "1",
+            "--epochs", "3", "--lr", "3e-3", "--quiet", "--threads", "1", "--keep-last", "1"]
+
+
+@pytest.fixture(scope="module")
+def reference(inputs):
+    out = inputs["root"] / "reference"
+    T.run(stage.parse_args(argv(inputs, out)))
+    return out
+
+
+def steps_logged(out: Path) -> int:
+    try:
+        return max((r["step"] for r in T.read_metrics(out).get("train", [])), default=0)
+    except Exception:  # a line being written
+        return 0
+
+
+def kill_then_resume(inputs, reference, out: Path, kill_after_step: int, extra_delay: float) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *argv(inputs, out)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while steps_logged(out) < kill_after_step and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(extra_delay)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (out / "manifest.json").exists()
+    T.run(stage.parse_args(argv(inputs, out)))
+    ref, got = T.read_metrics(reference), T.read_metrics(out)
+    assert [r["step"] for r in got["train"]] == [r["step"] for r in ref["train"]]
+    for a, b in zip(ref["train"], got["train"]):
+        assert (a["loss"], a["loss_by_step"]) == (b["loss"], b["loss_by_step"])
+    wa = load_file(str(reference / "export" / "model.safetensors"))
+    wb = load_file(str(out / "export" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    leftovers = [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    assert not leftovers
+
+
+def test_sigkill_mid_run_then_rerun_matches_uninterrupted(inputs, reference, tmp_path):
+    total = max(r["step"] for r in T.read_metrics(reference)["train"])
+    kill_then_resume(inputs, reference, tmp_path / "run", kill_after_step=min(4, total - 1), extra_delay=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", range(10))
+def test_sigkill_sweep(inputs, reference, tmp_path, trial):
+    rng = random.Random(trial)
+    total = max(r["step"] for r in T.read_metrics(reference)["train"])
+    kill_then_resume(inputs, reference, tmp_path / "run", kill_after_step=rng.randint(1, total - 1),
+                     extra_delay=rng.random() * 0.3)
