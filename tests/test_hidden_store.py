@@ -166,3 +166,23 @@ def test_shard_metadata_describes_the_shard(tmp_path):
     meta = safe_open(str(tmp_path / entry["shard"]), "pt").metadata()
     desc = json.loads(meta[hs.SHARD_META])
     assert desc["ids"] == ["x0", "x1", "x2"] and desc["storage"] == "fp8" and desc["lengths"] == [5, 3, 7]
+
+
+def test_reader_keeps_a_bounded_number_of_shards_open(tmp_path, monkeypatch):
+    import torch
+
+    from eagle3_train import hidden_store
+    from eagle3_train.hidden_store import HiddenStates, write_shard
+    from eagle3_train.manifest import write_manifest
+
+    for k in range(5):
+        n = 3
+        write_shard(tmp_path, k, [{"id": f"s{k}", "length": n}], {
+            "input_ids": torch.arange(n, dtype=torch.int32), "loss_mask": torch.ones(n, dtype=torch.uint8),
+            "aux": torch.full((n, 3, 4), float(k)).bfloat16(), "last": torch.zeros(n, 4).bfloat16()})
+    write_manifest(tmp_path, hidden_store.STAGE, config={}, layer_ids=[1, 2, 3, 4], hidden_size=4)
+    monkeypatch.setattr(hidden_store, "MAX_OPEN_SHARDS", 2)
+    hs = HiddenStates(tmp_path)
+    for sid in ["s0", "s1", "s2", "s3", "s4", "s0"]:
+        assert float(hs.get(sid).aux[0, 0, 0]) == float(sid[1:])
+        assert len(hs._open) <= 2

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -329,6 +330,9 @@ class SampleStates:
     topk_logprobs: torch.Tensor | None = None  # float32 [T, k], log-softmax over the full vocab
 
 
+MAX_OPEN_SHARDS = 64
+
+
 class HiddenStates:
     """Read a complete store: `hs = HiddenStates(dir); hs.ids; hs.get(id)`."""
 
@@ -341,7 +345,8 @@ class HiddenStates:
             for sid, off, n in zip(e["ids"], e["offsets"], e["lengths"]):
                 self._where[sid] = (e["shard"], off, n)
         self.ids = list(self._where)
-        self._open: dict[str, object] = {}
+        # Shuffled reads over thousands of shards would exhaust file descriptors: keep an LRU.
+        self._open: OrderedDict[str, object] = OrderedDict()
 
     @property
     def layer_ids(self) -> list[int]:
@@ -369,7 +374,11 @@ class HiddenStates:
         return self._where[sid][2]
 
     def _file(self, shard: str):
-        if shard not in self._open:
+        if shard in self._open:
+            self._open.move_to_end(shard)
+        else:
+            while len(self._open) >= MAX_OPEN_SHARDS:
+                self._open.popitem(last=False)
             path = self.directory / shard
             if not path.exists():
                 raise PipelineError(f"{path} is listed in the index but missing; rerun 02 with --repair")
