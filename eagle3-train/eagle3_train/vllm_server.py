@@ -34,6 +34,18 @@ def vllm_python() -> str:
     return sys.executable
 
 
+def die_with_parent():
+    """A preexec_fn (Linux): the child gets SIGTERM when the process that started it dies, even by
+    kill -9, so a killed stage never leaves a server holding the port and the accelerator."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -104,7 +116,7 @@ class VllmServer:
         log.write(f"$ {self.command_line()}\n".encode())
         log.flush()
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent())
         log.close()
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:

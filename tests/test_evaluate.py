@@ -1,0 +1,241 @@
+"""05_evaluate: offline acceptance (frame alignment, packing, the target's greedy tokens), the
+report/manifest/resume contract, bad inputs, and the online path against real vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3_train import evaluate as ev
+from eagle3_train.errors import PipelineError
+from eagle3_train.hidden_store import HiddenStates
+from helpers_draft import make_greedy_store, make_random_draft
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name.replace("-", "_"), REPO / "eagle3-train" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, llama_target_dir):
+    return make_random_draft(tmp_path_factory.mktemp("draft") / "export", llama_target_dir, k=3)
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory, llama_target_dir):
+    return make_greedy_store(tmp_path_factory.mktemp("store") / "hidden", llama_target_dir, n=5)
+
+
+class Oracle:
+    """Stands in for the draft: proposes the true tokens (step k at position j -> token j+1+k of
+    the shifted sequence it is given), so only the frame alignment decides what gets accepted."""
+    use_draft_vocab = False
+
+    def __init__(self, shift: int = 1):
+        self.shift = shift
+
+    def __call__(self, *, hidden_states, input_ids, document_ids, position_ids, ttt_steps):
+        ids = input_ids[0]
+        out = []
+        for k in range(ttt_steps):
+            step = torch.zeros_like(ids)
+            s = self.shift + k
+            step[: len(ids) - s] = ids[s:]
+            out.append(step[None])
+        return out
+
+
+def expected_oracle_al(store: HiddenStates, k: int) -> float:
+    drafts = accepted = 0
+    for sid in store.ids:
+        m = store.get(sid).loss_mask[1:].tolist()  # shifted frame: position j holds token j+1
+        for j in range(len(m) - 1):
+            if not m[j + 1]:
+                continue
+            drafts += 1
+            n = 0
+            while n < k and j + 1 + n < len(m) and m[j + 1 + n]:
+                n += 1
+            accepted += n
+    return 1 + accepted / drafts
+
+
+def test_target_head_greedy_is_the_targets_argmax(store_dir, llama_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    store = HiddenStates(store_dir)
+    s = store.get(store.ids[0])
+    model = AutoModelForCausalLM.from_pretrained(llama_target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(s.input_ids[None]).logits[0]
+    assert torch.equal(ev.load_target_head(llama_target_dir).greedy(s.last), logits.argmax(-1))
+
+
+def test_offline_oracle_reaches_the_maximum_and_a_misaligned_one_does_not(store_dir, llama_target_dir):
+    store = HiddenStates(store_dir)
+    head = ev.load_target_head(llama_target_dir)
+    res = ev.offline_eval(Oracle(), head, store, store.ids, 3, tokens_per_batch=64)
+    # The data is the target's own greedy continuation, so the true tokens are the greedy ones.
+    assert res["data_matches_greedy"] == 1.0
+    assert res["acceptance_length"] == pytest.approx(expected_oracle_al(store, 3))
+    assert res["acceptance_length"] > 3.5  # most positions can take all 3
+    off = ev.offline_eval(Oracle(shift=2), head, store, store.ids, 3)
+    assert off["acceptance_length"] < res["acceptance_length"] - 1
+
+
+def test_packing_samples_gives_the_same_proposals_as_one_by_one(store_dir, draft_dir, llama_target_dir):
+    store = HiddenStates(store_dir)
+    model = ev.load_draft(draft_dir, llama_target_dir)
+    samples = [store.get(i) for i in store.ids[:3]]
+    packed = ev.draft_step_tokens(model, samples, 3)
+    for s, p in zip(samples, packed):
+        alone = ev.draft_step_tokens(model, [s], 3)[0]
+        for a, b in zip(p, alone):
+            assert torch.equal(a, b)
+        assert all(int(t.max()) < 250 for t in alone)  # mapped into the draft's target-id range
+
+
+def test_load_draft_reads_04s_export_of_a_draft_narrower_than_the_target(tmp_path, store_dir, llama_target_dir):
+    from transformers import AutoConfig
+
+    from eagle3_train import draft as dr
+
+    cfg = AutoConfig.from_pretrained(llama_target_dir)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[::2] = True
+    ids = t2d.nonzero().squeeze(1)
+    d2t = ids - torch.arange(len(ids))
+    model = dr.build_draft(str(llama_target_dir), cfg, aux_layer_ids=[2, 4, 5], d2t=d2t, t2d=t2d,
+                           weights=dr.load_target_weights(llama_target_dir), hidden_size=64).eval()
+    dr.export_draft(model, tmp_path / "export")
+    loaded = ev.load_draft(tmp_path / "export", llama_target_dir)
+    samples = [HiddenStates(store_dir).get(i) for i in HiddenStates(store_dir).ids[:2]]
+    got = ev.draft_step_tokens(loaded, samples, 3)
+    want = ev.draft_step_tokens(model, samples, 3)
+    for g, w in zip(got, want):
+        assert all(torch.equal(a, b) for a, b in zip(g, w))
+        assert all(bool(t2d[t].all()) for t in g)  # every proposal is a draft-vocab token
+
+
+def test_spec_counters_and_delta():
+    before = ev.spec_counters({
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"}': 10.0,
+        'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"}': 123.0,
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"}': 30.0,
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"}': 5.0,
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"}': 4.0,
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"}': 1.0,
+    })
+    after = {**before, "drafts": 30.0, "draft_tokens": 90.0, "accepted": 35.0, "per_pos": {0: 24.0, 1: 11.0}}
+    d = ev.spec_delta(before, after)
+    assert d["drafts"] == 20 and d["accepted"] == 30 and d["per_pos"] == [20, 10]
+    assert d["acceptance_length"] == 2.5 and d["per_position_rate"] == [1.0, 0.5]
+
+
+def test_05_offline_report_manifest_resume_and_refusals(tmp_path, store_dir, draft_dir, llama_target_dir):
+    script = load_script("05_evaluate")
+    out = tmp_path / "eval"
+    argv = ["--draft", str(draft_dir), "--store", str(store_dir), "--output-dir", str(out)]
+    assert script.main(argv) == 0
+    rep = json.loads((out / "report.json").read_text())
+    off = rep["offline"]
+    assert off["samples"] == 5 and len(off["cumulative"]) == 3 and 1.0 <= off["acceptance_length"] <= 4.0
+    assert off["selection"].startswith("all samples")  # a bare export records no split
+    md = (out / "report.md").read_text()
+    assert "offline (5 samples)" in md and "Note: offline samples: all samples" in md
+    assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["stage"] == "05_evaluate" and man["inputs"]["draft"]["sha256"]
+    assert man["target"]["vocab_size"] == 500
+
+    # A rerun keeps the finished part; other settings are refused; --overwrite moves it aside.
+    mtime = (out / "offline.json").stat().st_mtime_ns
+    assert script.main(argv) == 0
+    assert (out / "offline.json").stat().st_mtime_ns == mtime
+    with pytest.raises(PipelineError, match="offline"):
+        script.main(argv + ["--max-offline-samples", "2"])
+    assert script.main(argv + ["--max-offline-samples", "2", "--overwrite"]) == 0
+    assert json.loads((out / "report.json").read_text())["offline"]["samples"] == 2
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("eval.old-")]
+    assert len(aside) == 1 and (aside[0] / "report.json").exists()
+
+
+def test_05_refuses_mismatched_inputs(tmp_path, store_dir, draft_dir, llama_target_dir, deepseek_target_dir):
+    script = load_script("05_evaluate")
+    out = tmp_path / "eval"
+    with pytest.raises(PipelineError, match="no config.json"):
+        script.main(["--draft", str(tmp_path), "--store", str(store_dir), "--output-dir", str(out)])
+    with pytest.raises(PipelineError, match="nothing to evaluate"):
+        script.main(["--draft", str(draft_dir), "--output-dir", str(out)])
+    # A draft reading other layers than the store holds: one line naming both.
+    other = make_random_draft(tmp_path / "other", llama_target_dir, aux_ids=(1, 3, 5))
+    with pytest.raises(PipelineError, match=r"auxiliary layer ids mismatch.*\[2, 4, 5\].*\[1, 3, 5\]"):
+        script.main(["--draft", str(other), "--store", str(store_dir), "--output-dir", str(out)])
+    # The draft was made for another target.
+    with pytest.raises(PipelineError, match="target (vocab|hidden) size mismatch"):
+        script.main(["--draft", str(draft_dir), "--target", str(deepseek_target_dir), "--store", str(store_dir),
+                     "--output-dir", str(out)])
+    bad = tmp_path / "notspec"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(PipelineError, match="speculators_model_type"):
+        script.main(["--draft", str(bad), "--store", str(store_dir), "--output-dir", str(out)])
+    assert not (out / "manifest.json").exists()
+
+
+# ----------------------------------------------------------------------------- real vLLM
+
+@pytest.fixture(scope="module")
+def eagle3_server(draft_dir, llama_target_dir, tmp_path_factory):
+    from eagle3_train.vllm_server import VllmServer
+
+    spec = ev.spec_config("eagle3", draft_dir, 3, (2, 5))
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    with VllmServer(llama_target_dir, speculative_config=spec, log_path=log, max_model_len=512) as srv:
+        yield srv
+
+
+@pytest.mark.vllm
+def test_05_online_reads_vllms_spec_decode_counters(tmp_path, eagle3_server, draft_dir):
+    from eagle3_train.tiny import write_prompt_file
+
+    script = load_script("05_evaluate")
+    prompts = write_prompt_file(tmp_path / "heldout.jsonl", 6, seed=99)
+    out = tmp_path / "eval"
+    argv = ["--draft", str(draft_dir), "--prompts", str(prompts), "--output-dir", str(out),
+            "--base-url", eagle3_server.base_url, "--arms", "eagle3", "--concurrency", "1,3",
+            "--max-tokens", "24"]
+    assert script.main(argv) == 0
+    res = json.loads((out / "arms" / "eagle3.json").read_text())
+    assert res["server"] == "connected" and [r["concurrency"] for r in res["levels"]] == [1, 3]
+    for r in res["levels"]:
+        s = r["spec"]
+        assert r["requests"] == 6 and r["errors"] == 0 and 0 < r["completion_tokens"] <= 6 * 24
+        assert r["output_tok_s"] > 0
+        assert s["drafts"] > 0 and s["draft_tokens"] == 3 * s["drafts"]
+        assert len(s["per_pos"]) == 3 and sum(s["per_pos"]) == s["accepted"]
+        assert s["per_pos"] == sorted(s["per_pos"], reverse=True)  # position k needs 0..k-1 accepted
+        assert 1.0 <= s["acceptance_length"] <= 4.0
+    assert res["spec"]["drafts"] == sum(r["spec"]["drafts"] for r in res["levels"])
+    assert "vLLM eagle3" in (out / "report.md").read_text()
+
+
+@pytest.mark.vllm
+def test_05_refuses_a_speculating_server_as_the_no_speculation_baseline(tmp_path, eagle3_server, draft_dir):
+    from eagle3_train.tiny import write_prompt_file
+
+    script = load_script("05_evaluate")
+    prompts = write_prompt_file(tmp_path / "heldout.jsonl", 2, seed=99)
+    with pytest.raises(PipelineError, match="arm none: .* speculates"):
+        script.main(["--draft", str(draft_dir), "--prompts", str(prompts), "--output-dir", str(tmp_path / "e"),
+                     "--url", f"none={eagle3_server.base_url}", "--arms", "none", "--concurrency", "1",
+                     "--max-tokens", "8"])
