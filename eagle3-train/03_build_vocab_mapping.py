@@ -125,6 +125,9 @@ def main(argv=None) -> int:
             raise PipelineError(conflict)
         if conflict and (moved := vocab.move_aside(out)):
             print(f"previous outputs moved to {moved}")
+        if not conflict and not args.recount and vocab.already_complete(out, ts.path):
+            print(f"{out} is already complete for this input and these settings; nothing to do")
+            return 0
 
         counts, data, source = vocab.counts_for(
             ts.path, out, key_of, vocab_size=vocab_size, heldout_fraction=args.heldout_fraction,

@@ -16,10 +16,10 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     if "slow" not in (config.getoption("markexpr") or ""):  # long sweeps run only with -m slow
-        skip_slow = pytest.mark.skip(reason="long sweep: run with -m slow")
-        for item in items:
-            if "slow" in item.keywords:
-                item.add_marker(skip_slow)
+        slow = [item for item in items if "slow" in item.keywords]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if "slow" not in item.keywords]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA; its CPU twin runs instead")

@@ -364,3 +364,14 @@ def test_a_crash_while_rewriting_leaves_no_complete_claim(tmp_path, data_dir, ta
     monkeypatch.undo()
     assert run03(data_dir, target_dir, out, "--draft-vocab-size", 40) == 0
     assert vocab.read_mapping(out).draft_vocab_size == 40
+
+
+def test_rerun_of_a_complete_output_changes_nothing(tmp_path, k25_tokenizer_dir):
+    """A finished 03 rerun with the same command is a no-op: the manifest (which 04 checks) stays."""
+    data = make_training_set(tmp_path / "tok", k25_tokenizer_dir, n=12, seed=5)
+    target = make_target(tmp_path / "target", k25_tokenizer_dir, 600)
+    argv = ["--data", str(data), "--target", str(target), "--out", str(tmp_path / "v"), "--draft-vocab-size", "64"]
+    assert stage03.main(argv) == 0
+    before = (tmp_path / "v" / "manifest.json").read_bytes()
+    assert stage03.main(argv) == 0
+    assert (tmp_path / "v" / "manifest.json").read_bytes() == before

@@ -106,6 +106,17 @@ def read_manifest(directory: Path, stage: str | None = None) -> dict:
     return manifest
 
 
+VOLATILE_KEYS = ("created", "command", "git_sha", "pid")
+
+
+def manifest_identity(directory: Path, stage: str | None = None) -> str:
+    """What a stage's output *is*, for the stage that consumes it: its complete manifest without
+    when/how it was written, so an identical rerun of a stage does not look like a new input."""
+    manifest = read_manifest(directory, stage)
+    return hashlib.sha256(json.dumps({k: v for k, v in manifest.items() if k not in VOLATILE_KEYS},
+                                     sort_keys=True, default=str).encode()).hexdigest()
+
+
 def manifest_of_file(path: Path, stage: str | None = None) -> dict:
     """The manifest of the directory a stage output file lives in."""
     return read_manifest(Path(path).parent, stage)

@@ -38,7 +38,8 @@ from torch import nn
 from .acceptance import chain_acceptance, draft_correctness, merge, summarize
 from .draft import unroll
 from .errors import PipelineError
-from .manifest import MANIFEST, describe_file, describe_target, read_manifest, require_match, text_config
+from .manifest import (MANIFEST, describe_target, manifest_identity, read_manifest,
+                       require_match, text_config)
 from .store import TMP_PREFIX, JsonlWriter, atomic_dir_commit, atomic_write_bytes, atomic_write_json, read_jsonl
 
 STAGE = "04_train"
@@ -613,8 +614,7 @@ def run_config(args) -> dict:
 def input_identity(inp: Inputs, vocab_mapping: str) -> dict:
     """What a resumed run must find again: the inputs' manifests (by content) and the target."""
     def manifest(d):
-        desc = describe_file(Path(d) / MANIFEST)
-        return {"sha256": desc["sha256"], "size": desc["size"]}
+        return {"manifest_identity": manifest_identity(d)}
 
     return {"hidden_states": manifest(inp.store.directory), "vocab_mapping": manifest(vocab_mapping),
             "target": _identity(describe_target(inp.target_cfg, inp.target))}

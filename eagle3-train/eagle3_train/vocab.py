@@ -480,6 +480,25 @@ def config_conflict(out_dir: Path, config: dict, keys: Iterable[str]) -> str | N
     return None
 
 
+def already_complete(out_dir: Path, data_path: Path) -> bool:
+    """The complete output in out_dir was built from exactly this input and its files are intact
+    (the settings were compared by config_conflict): a rerun has nothing to do."""
+    from .manifest import describe_file
+
+    try:
+        old = read_manifest(out_dir, STAGE)
+    except PipelineError:
+        return False
+    recorded = old.get("inputs", {}).get("data", {})
+    if recorded.get("size") != Path(data_path).stat().st_size:
+        return False
+    for name, desc in old.get("outputs", {}).items():
+        p = Path(out_dir) / name
+        if not p.exists() or describe_file(p).get("sha256") != desc.get("sha256"):
+            return False
+    return describe_file(data_path)["sha256"] == recorded.get("sha256")
+
+
 def move_aside(out_dir: Path) -> Path | None:
     """Move the previous outputs (not the frequency file) into replaced-<time>/; never delete."""
     out_dir = Path(out_dir)
