@@ -26,8 +26,10 @@ from eagle3_train.extract import run
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     io = p.add_argument_group("input / output")
-    io.add_argument("--input", required=True, help="tokenized training set directory (data.jsonl + manifest)")
-    io.add_argument("--output", required=True, help="store directory (shards, index, plan, manifest)")
+    io.add_argument("--data", "--input", dest="input", required=True,
+                    help="tokenized training set directory (data.jsonl + manifest)")
+    io.add_argument("--output-dir", "--output", dest="output", required=True,
+                    help="store directory (shards, index, plan, manifest)")
     io.add_argument("--overwrite", action="store_true",
                     help="move an existing output aside (renamed *.old-TIME) and start over (default: resume)")
 

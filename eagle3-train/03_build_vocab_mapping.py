@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tokenizer path or name (default: the target's); must be the one the data was "
                         "tokenized with")
     g = p.add_argument_group("output")
-    g.add_argument("--out", required=True, help="output directory")
+    g.add_argument("--output-dir", "--out", dest="out", required=True, help="output directory")
     g.add_argument("--overwrite", action="store_true",
                    help="replace a complete output built with other settings (old files are moved to "
                         "replaced-<time>/; default: refuse)")

@@ -33,7 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--target", required=True,
                    help="target model path or name: config, final norm, lm_head and embeddings")
     g = p.add_argument_group("output")
-    g.add_argument("--out", required=True, help="run directory (checkpoints, metrics, export/)")
+    g.add_argument("--output-dir", "--out", dest="out", required=True,
+                   help="run directory (checkpoints, metrics, export/)")
     g.add_argument("--overwrite", action="store_true",
                    help="move a run made with other settings aside (to replaced-<time>/) and start over "
                         "(default: refuse)")
