@@ -31,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     io.add_argument("--output-dir", "--output", dest="output", required=True,
                     help="store directory (shards, index, plan, manifest)")
     io.add_argument("--overwrite", action="store_true",
-                    help="move an existing output aside (renamed *.old-TIME) and start over (default: resume)")
+                    help="move an existing output into replaced-<time>/ and start over (default: resume)")
 
     tg = p.add_argument_group("target")
     tg.add_argument("--model", required=True, help="target model directory or name")

@@ -165,7 +165,7 @@ def test_05_offline_report_manifest_resume_and_refusals(tmp_path, store_dir, dra
         script.main(argv + ["--max-offline-samples", "2"])
     assert script.main(argv + ["--max-offline-samples", "2", "--overwrite"]) == 0
     assert json.loads((out / "report.json").read_text())["offline"]["samples"] == 2
-    aside = [p for p in tmp_path.iterdir() if p.name.startswith("eval.old-")]
+    aside = [p for p in out.iterdir() if p.name.startswith("replaced-")]
     assert len(aside) == 1 and (aside[0] / "report.json").exists()
 
 

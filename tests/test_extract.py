@@ -241,7 +241,7 @@ def test_changed_settings_are_refused_and_overwrite_moves_the_old_output_aside(t
         run02(tokset, llama_target_dir, out)
     assert run02(tokset, llama_target_dir, out, "--overwrite") == 0
     assert hs.HiddenStates(out).layer_ids == [2, 4, 5, 8]
-    assert len(list(tmp_path.glob("hs.old-*"))) == 1
+    assert len(list(out.glob("replaced-*/plan.json"))) == 1
     with pytest.raises(PipelineError, match="ids must lie in 0..8"):
         run02(tokset, llama_target_dir, tmp_path / "x", "--layers", "2,9")
 

@@ -26,12 +26,29 @@ def run_main(main, argv=None) -> int:
         print("interrupted: everything committed so far is kept; rerun the same command to resume",
               file=sys.stderr)
         return 130
-    except OSError as e:
+    except Exception as e:
+        if not isinstance(e, OSError):
+            if not _says_disk_full(e):
+                raise
+            # e.g. safetensors' SafetensorError: the OS said ENOSPC, the library kept only the text
+            print(f"error: disk full ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}); "
+                  "free space and rerun the same command to resume", file=sys.stderr)
+            return 2
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             print(f"error: disk full while writing {e.filename or ''} (no space left on device); "
                   "free space and rerun the same command to resume", file=sys.stderr)
             return 2
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            print(f"error: permission denied: {e.filename or e}", file=sys.stderr)
+            what = "read-only file system" if e.errno == errno.EROFS else "permission denied"
+            print(f"error: {what}: {e.filename or e}", file=sys.stderr)
+            return 2
+        if e.errno in (errno.ENOTDIR, errno.EISDIR):
+            print(f"error: {e.strerror.lower()}: {e.filename or e}", file=sys.stderr)
             return 2
         raise
+
+
+def _says_disk_full(e: BaseException) -> bool:
+    """A library error whose message carries the OS's ENOSPC (it did not keep the errno)."""
+    text = str(e)
+    return "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text

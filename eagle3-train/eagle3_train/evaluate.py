@@ -585,13 +585,10 @@ def parse_urls(items: Sequence[str], base_url: str | None) -> dict[str, str]:
 
 
 def move_aside(out: Path) -> Path | None:
-    """--overwrite: the previous output goes to <out>.old-<time>/, never deleted."""
-    old = [p for p in Path(out).iterdir() if p.name != ".lock"]
-    if not old:
-        return None
-    aside = Path(out).with_name(f"{Path(out).name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-    aside.mkdir(parents=True)
-    for p in old:
-        p.rename(aside / p.name)
-    print(f"[05] --overwrite: moved the previous output to {aside}", flush=True)
+    """--overwrite: the previous output goes to <out>/replaced-<time>/, never deleted."""
+    from .store import move_aside as move
+
+    aside = move(out)
+    if aside:
+        print(f"[05] --overwrite: moved the previous output to {aside}", flush=True)
     return aside

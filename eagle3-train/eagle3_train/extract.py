@@ -15,7 +15,6 @@ written atomically and indexed; the manifest is written once every shard of the 
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import hashlib
 import json
 import os
@@ -34,7 +33,7 @@ from .dataset import STAGE as TOKENIZE_STAGE
 from .errors import PipelineError
 from .manifest import describe_target, describe_tokenizer, read_manifest, text_config, write_manifest
 from .progress import Progress
-from .store import DirLock, clean_temp_files
+from .store import DirLock, clean_temp_files, move_aside
 
 MANIFEST_NAME = "manifest.json"
 DISK_MARGIN = 1.02  # headers, index, plan: a few per cent on top of the tensor bytes
@@ -348,15 +347,6 @@ def check_tokenizer(args, inp: InputSet) -> dict:
     return ours
 
 
-def move_aside(out: Path) -> Path | None:
-    if not out.exists() or not any(out.iterdir()):
-        return None
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    old = out.with_name(f"{out.name}.old-{stamp}")
-    out.replace(old)
-    return old
-
-
 def disk_check(out: Path, need: int, *, force: bool, what: str) -> None:
     free = shutil.disk_usage(out).free
     if need * DISK_MARGIN > free and not force:
@@ -398,13 +388,11 @@ def run(args, *, backend_factory=None) -> int:
                             "run once with a single process and --overwrite, or move it yourself")
     if (args.validate or args.repair) and not (out / hs.PLAN).exists():
         raise PipelineError(f"{out} holds no extraction (no {hs.PLAN}): nothing to validate")
-    if args.overwrite and not (args.validate or args.repair):
-        old = move_aside(out)
-        if old:
-            print(f"moved the previous output to {old}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     lock = DirLock(out, hs.STAGE) if world == 1 else DirLock(out / ".locks" / f"rank-{rank}", hs.STAGE)
     with lock:
+        if args.overwrite and not (args.validate or args.repair) and (old := move_aside(out)):
+            print(f"moved the previous output to {old}", file=sys.stderr)
         return _run_locked(args, out, rank, world, backend_factory)
 
 

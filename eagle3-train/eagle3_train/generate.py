@@ -20,7 +20,6 @@ import asyncio
 import datetime as _dt
 import hashlib
 import json
-import os
 import signal
 from collections import Counter
 from dataclasses import dataclass
@@ -90,15 +89,9 @@ def identity(args, input_desc: dict) -> dict:
 
 def move_aside(out_dir: Path) -> Path | None:
     """--overwrite: the old output goes to `replaced-<time>/` inside the directory, never deleted."""
-    names = [RAW, ERRORS, RUN_CONFIG, PROGRESS_LOG, MANIFEST, "tokenized"]
-    present = [n for n in names if (out_dir / n).exists()]
-    if not present:
-        return None
-    dest = out_dir / f"replaced-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    dest.mkdir()
-    for n in present:
-        os.replace(out_dir / n, dest / n)
-    return dest
+    from .store import move_aside as move
+
+    return move(out_dir, [RAW, ERRORS, RUN_CONFIG, PROGRESS_LOG, MANIFEST, "tokenized"])
 
 
 def check_identity(out_dir: Path, ident: dict) -> None:

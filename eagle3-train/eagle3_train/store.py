@@ -6,6 +6,7 @@ Every stage writes through these helpers; none opens its outputs with a bare ope
 
 from __future__ import annotations
 
+import datetime as _dt
 import errno
 import fcntl
 import hashlib
@@ -67,6 +68,33 @@ def atomic_dir_commit(tmp_dir: Path, final_dir: Path) -> None:
     _fsync_dir(final_dir.parent)
     if old is not None:
         _rmtree(old)
+
+
+def move_aside(directory: Path, names: Iterable[str] | None = None) -> Path | None:
+    """--overwrite: move a previous output into `<directory>/replaced-<UTC time>/`; never delete.
+
+    `names` are the entries to move (default: everything but the lock and earlier replaced-*).
+    The manifest goes first, so from that moment the directory no longer claims to be complete.
+    Returns the new folder, or None if there was nothing to move."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    keep = {".lock", ".locks"}
+    if names is None:
+        names = [p.name for p in directory.iterdir() if p.name not in keep and not p.name.startswith("replaced-")]
+    present = sorted((n for n in names if (directory / n).exists()), key=lambda n: n != "manifest.json")
+    if not present:
+        return None
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    dest, n = directory / f"replaced-{stamp}", 0
+    while dest.exists():
+        n += 1
+        dest = directory / f"replaced-{stamp}-{n}"
+    dest.mkdir()
+    for name in present:
+        os.replace(directory / name, dest / name)
+    _fsync_dir(directory)
+    return dest
 
 
 def clean_temp_files(directory: Path) -> int:

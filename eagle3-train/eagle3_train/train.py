@@ -644,20 +644,9 @@ def check_run(out: Path, cfg: dict, identity: dict) -> str | None:
 
 
 def move_aside(out: Path) -> Path | None:
-    names = [n for n in (MANIFEST, RUN, METRICS, CKPT_DIR, EXPORT, "curves.png", "progress.log")
-             if (out / n).exists()]
-    if not names:
-        return None
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    dest = out / f"replaced-{stamp}"
-    n = 0
-    while dest.exists():
-        n += 1
-        dest = out / f"replaced-{stamp}-{n}"
-    dest.mkdir()
-    for name in sorted(names, key=lambda x: x != MANIFEST):  # manifest first: no longer complete
-        os.replace(out / name, dest / name)
-    return dest
+    from .store import move_aside as move
+
+    return move(out, (MANIFEST, RUN, METRICS, CKPT_DIR, EXPORT, "curves.png", "progress.log"))
 
 
 # ----------------------------------------------------------------------------- the run

@@ -19,7 +19,6 @@ import datetime as _dt
 import hashlib
 import io
 import json
-import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -500,22 +499,10 @@ def already_complete(out_dir: Path, data_path: Path) -> bool:
 
 
 def move_aside(out_dir: Path) -> Path | None:
-    """Move the previous outputs (not the frequency file) into replaced-<time>/; never delete."""
-    out_dir = Path(out_dir)
-    present = [n for n in OUTPUTS if (out_dir / n).exists()]
-    if not present:
-        return None
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    dest = out_dir / f"replaced-{stamp}"
-    n = 0
-    while dest.exists():
-        n += 1
-        dest = out_dir / f"replaced-{stamp}-{n}"
-    dest.mkdir()
-    # The manifest goes first: from here on the directory no longer claims to be complete.
-    for name in sorted(present, key=lambda x: x != MANIFEST):
-        os.replace(out_dir / name, dest / name)
-    return dest
+    """The previous outputs (not the token counts, which stay reusable) go to replaced-<time>/."""
+    from .store import move_aside as move
+
+    return move(out_dir, OUTPUTS)
 
 
 # ----------------------------------------------------------------------------- the stage
