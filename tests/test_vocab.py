@@ -357,13 +357,16 @@ def test_a_crash_while_rewriting_leaves_no_complete_claim(tmp_path, data_dir, ta
         raise KeyboardInterrupt
 
     monkeypatch.setattr(vocab, "plot_coverage", boom)
+    # different settings + --overwrite: the old output is moved aside, the new one dies half-written
     with pytest.raises(KeyboardInterrupt):
-        run03(data_dir, target_dir, out, "--draft-vocab-size", 40)
+        run03(data_dir, target_dir, out, "--draft-vocab-size", 48, "--overwrite")
     with pytest.raises(PipelineError, match="incomplete"):
         vocab.read_mapping(out)
+    kept = [p for p in out.glob("replaced-*") if (p / "manifest.json").exists()]
+    assert len(kept) == 1 and vocab.read_mapping(kept[0]).draft_vocab_size == 40
     monkeypatch.undo()
-    assert run03(data_dir, target_dir, out, "--draft-vocab-size", 40) == 0
-    assert vocab.read_mapping(out).draft_vocab_size == 40
+    assert run03(data_dir, target_dir, out, "--draft-vocab-size", 48) == 0
+    assert vocab.read_mapping(out).draft_vocab_size == 48
 
 
 def test_rerun_of_a_complete_output_changes_nothing(tmp_path, k25_tokenizer_dir):

@@ -279,7 +279,7 @@ class ChatClient:
                     page = await ep.client.models.list()
                 ids = [m.id for m in page.data]
             except Exception as e:
-                warnings.append(f"{ep.url}: not reachable ({classify(e, 30)['message']})")
+                warnings.append(f"{ep.url}: {_preflight_problem(e)}")
                 continue
             if self.model not in ids:
                 raise PipelineError(f"{ep.url} does not serve model {self.model!r} (it serves: "
@@ -315,6 +315,15 @@ def classify(exc: BaseException, timeout: float) -> dict:
         detail = f"{cause}" if cause is not None else str(exc)
         return {"error_type": "connection", "message": _one_line(detail), "status": None, "retryable": True}
     raise exc
+
+
+def _preflight_problem(exc: Exception) -> str:
+    """Why GET /models failed, in words: unreachable, an HTTP error, or an answer that is not the
+    OpenAI schema (a proxy's HTML page: the SDK hands back a str and fails inside its pager)."""
+    try:
+        return f"not reachable ({classify(exc, 30)['message']})"
+    except Exception:  # noqa: BLE001 - anything else is an answer we cannot read
+        return f"GET /models did not answer in the OpenAI schema ({type(exc).__name__}: {_one_line(exc, 120)})"
 
 
 def _one_line(s: str, limit: int = 300) -> str:

@@ -92,6 +92,16 @@ def describe_mismatch(sample: dict, tok, fmt) -> dict:
             "ids_side": _window(fmt, tok.input_ids, at), "text_side": _window(fmt, text_only.input_ids, at)}
 
 
+def is_empty_answer(sample: dict) -> bool:
+    """Neither reasoning nor content has any text: the sample would teach only the closing tokens
+    (`</think><|im_end|>`), so it is dropped and counted rather than trained on. A record with only
+    token ids (no texts) is never called empty here."""
+    texts = [sample.get(k) for k in ("reasoning", "content")]
+    if all(t is None for t in texts):
+        return False
+    return not any(isinstance(t, str) and t.strip() for t in texts)
+
+
 def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str,
                        max_seq_len: int | None = None, loss_on: str = "final", keep_length: bool = True,
                        progress_every: float = 30.0, log=print) -> dict:
@@ -99,8 +109,8 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
 
     Every sample goes through tokenization.tokenize_sample (path (a), the returned ids, when
     present; checked against path (b), the re-wrapped text). Mismatches are kept and reported;
-    answers cut by max_tokens are kept unless keep_length=False; samples left with no supervised
-    token (e.g. a prompt longer than max_seq_len) are dropped. Everything is counted in the manifest.
+    answers cut by max_tokens are kept unless keep_length=False; empty answers and samples left with
+    no supervised token (e.g. a prompt longer than max_seq_len) are dropped. Everything is counted in the manifest.
     Rebuilt from scratch each time (temp file + rename), skipped when already up to date.
     """
     from .manifest import MANIFEST, describe_file, describe_tokenizer, write_manifest
@@ -152,6 +162,9 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
                     if fr == "length" and not keep_length:
                         counts["dropped_length"] += 1
                         continue
+                    if is_empty_answer(sample):
+                        counts["dropped_empty_answer"] += 1
+                        continue
                     t = tokenize_sample(sample, fmt, max_seq_len=max_seq_len, loss_on=loss_on)
                     if t.mismatch is not None:
                         counts["mismatched"] += 1
@@ -178,7 +191,7 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
         summary = summarize(kept)
         all_counts = {**summary, **{k: counts[k] for k in (
             "input_records", "mismatched", "truncated", "kept_length", "dropped_length",
-            "dropped_no_supervised_tokens", "dropped_duplicate_id")}, "finish_reasons": dict(finish)}
+            "dropped_no_supervised_tokens", "dropped_empty_answer", "dropped_duplicate_id")}, "finish_reasons": dict(finish)}
         manifest = write_manifest(
             out_dir, STAGE, config=config,
             inputs={"raw_responses": {**describe_file(raw_path, hash_it=False), "sha256": raw_sha},
@@ -196,7 +209,8 @@ def format_summary(c: dict, mismatches: list[dict], path: Path) -> str:
              f"  from {c['input_records']} answers: mismatched {c['mismatched']} (returned ids vs "
              f"re-wrapped text), truncated {c['truncated']}, kept cut-by-length {c['kept_length']}; "
              f"dropped: length {c['dropped_length']}, no supervised tokens "
-             f"{c['dropped_no_supervised_tokens']}, duplicate id {c['dropped_duplicate_id']}"]
+             f"{c['dropped_no_supervised_tokens']}, empty answer {c['dropped_empty_answer']}, "
+             f"duplicate id {c['dropped_duplicate_id']}"]
     for m in mismatches:
         lines.append(f"  mismatch {m['id']}: {m['count']} positions differ from {m['first']} "
                      f"({'prompt' if m['in_prompt'] else 'answer'}): ids {m['ids_side']!r} vs text "

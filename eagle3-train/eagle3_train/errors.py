@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import sys
 
 
@@ -31,7 +32,8 @@ def run_main(main, argv=None) -> int:
             if not _says_disk_full(e):
                 raise
             # e.g. safetensors' SafetensorError: the OS said ENOSPC, the library kept only the text
-            print(f"error: disk full ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}); "
+            print(f"error: disk full, no space left on device ({type(e).__name__}: "
+                  f"{str(e).strip().splitlines()[-1][:200]}); "
                   "free space and rerun the same command to resume", file=sys.stderr)
             return 2
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -44,6 +46,12 @@ def run_main(main, argv=None) -> int:
             return 2
         if e.errno in (errno.ENOTDIR, errno.EISDIR):
             print(f"error: {e.strerror.lower()}: {e.filename or e}", file=sys.stderr)
+            return 2
+        if e.errno == errno.EEXIST and e.filename and os.path.lexists(e.filename) \
+                and not os.path.isdir(e.filename):
+            # mkdir(exist_ok=True) of an output directory where a file is
+            print(f"error: not a directory: {e.filename} is a file; pass another output directory",
+                  file=sys.stderr)
             return 2
         raise
 

@@ -95,6 +95,13 @@ def describe_draft(draft_dir: Path) -> dict:
             # Where 04's split is read from; the export's own files are what identify the draft.
             out["manifest"] = {"path": str(m.resolve()), "stage": man.get("stage")}
             break
+    else:
+        from .train import RUN
+
+        if (draft_dir.parent / RUN).exists():  # a 04 run directory: its export counts only once it finished
+            raise PipelineError(f"{draft_dir} belongs to the 04 run {draft_dir.parent}, which did not finish "
+                                "(no manifest.json); resume 04 with the same command, or copy the export "
+                                "out of the run directory to evaluate it as it is")
     return out
 
 
@@ -227,11 +234,13 @@ def draft_step_tokens(model, samples: list, k: int) -> list[list[torch.Tensor]]:
 def offline_eval(model, head, store, ids: Sequence[str], k: int, *,
                  tokens_per_batch: int = 4096, log_path: Path | None = None) -> dict:
     """Chain acceptance of the draft against the target's greedy tokens over `ids`."""
+    from .train import read_sample  # the same damaged-shard / NaN checks as training
+
     lengths = {sid: store.length(sid) for sid in ids}
     stats, tokens, same, supervised = [], 0, 0, 0
     with Progress("05 offline", len(ids), log_path=log_path, unit="sample") as prog:
         for batch in _batches(ids, lengths, tokens_per_batch):
-            samples = [s for s in (store.get(sid) for sid in batch) if s.input_ids.shape[0] >= 2]
+            samples = [s for s in (read_sample(store, sid) for sid in batch) if s.input_ids.shape[0] >= 2]
             drafts = draft_step_tokens(model, samples, k) if samples else []
             for s, d in zip(samples, drafts):
                 if s.last is not None and head is not None:

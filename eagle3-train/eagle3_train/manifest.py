@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from .errors import PipelineError
-from .store import atomic_write_json, file_sha256
+from .store import TMP_PREFIX, atomic_write_json, file_sha256
 
 MANIFEST = "manifest.json"
 
@@ -81,6 +81,10 @@ def write_manifest(out_dir: Path, stage: str, *, config: dict, inputs: dict | No
         "pid": os.getpid(),
         **extra,
     }
+    # A kill during an earlier manifest write leaves its temp file; the writer of the manifest
+    # owns the directory (its lock), so no one else can be mid-write on that name.
+    for stale in Path(out_dir).glob(f"{TMP_PREFIX}{MANIFEST}.*"):
+        stale.unlink(missing_ok=True)
     atomic_write_json(Path(out_dir) / MANIFEST, manifest)
     return manifest
 

@@ -207,21 +207,31 @@ def read_jsonl(path: Path, *, tolerate_torn_tail: bool = True) -> Iterator[dict]
 
 
 class JsonlWriter:
-    """Append-only JSONL. Each record is one write() of one line, flushed (and by default
-    fsynced) before the call returns, so a kill leaves at most one torn last line, which the
-    next open repairs."""
+    """Append-only JSONL. Each record is one line written straight to the file (no buffer) and by
+    default fsynced before the call returns, so a kill leaves at most one torn last line, which
+    the next open repairs. A write that fails (disk full) is cut back off the file, so later
+    writes never land behind half a line, and nothing is left in a buffer to surface later."""
 
     def __init__(self, path: Path, *, fsync: bool = True):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.repaired_bytes = repair_torn_tail(self.path)
-        self._f = open(self.path, "ab")
+        self._f = open(self.path, "ab", buffering=0)
         self._fsync = fsync
 
     def write(self, record: dict) -> None:
         line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
-        self._f.write(line)
-        self._f.flush()
+        start = os.fstat(self._f.fileno()).st_size  # where O_APPEND puts it (tell() can lag a cut)
+        try:
+            view = memoryview(line)
+            while view:  # an unbuffered write may be short; the next one raises (e.g. ENOSPC)
+                view = view[self._f.write(view):]
+        except BaseException:
+            try:
+                os.ftruncate(self._f.fileno(), start)
+            except OSError:
+                pass  # the next open cuts the torn tail instead
+            raise
         if self._fsync:
             os.fsync(self._f.fileno())
 
@@ -232,9 +242,10 @@ class JsonlWriter:
 
     def close(self) -> None:
         if not self._f.closed:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
+            try:
+                os.fsync(self._f.fileno())
+            finally:
+                self._f.close()
 
     def __enter__(self):
         return self

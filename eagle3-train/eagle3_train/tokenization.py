@@ -189,6 +189,15 @@ def assistant_spans(fmt: ChatFormat, messages: list[dict], prompt_ids: Sequence[
     return spans
 
 
+def _plain_text(content) -> str:
+    """A message's text: a string, or the text parts of an OpenAI content list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return ""
+
+
 def tokenize_sample(sample: dict, fmt: ChatFormat, *, max_seq_len: int | None = None,
                     loss_on: str = "final") -> Tokenized:
     """One sample -> the training sequence (see module doc). Raises PipelineError on bad input."""
@@ -196,6 +205,9 @@ def tokenize_sample(sample: dict, fmt: ChatFormat, *, max_seq_len: int | None = 
     messages = sample.get("messages")
     if not isinstance(messages, list) or not messages:
         raise PipelineError(f"sample {sid}: no prompt messages")
+    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    if not users or not _plain_text(users[-1].get("content")).strip():
+        raise PipelineError(f"sample {sid}: empty prompt (the last user turn has no text)")
     if loss_on not in ("final", "all"):
         raise PipelineError(f"--loss-on must be 'final' or 'all', not {loss_on!r}")
     vocab = len(fmt.tokenizer)

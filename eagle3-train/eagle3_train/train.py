@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import functools
 import io
 import json
@@ -541,10 +542,17 @@ def set_rng_state(st: dict, device: torch.device) -> None:
 
 
 def _save(obj, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except RuntimeError as e:
+        # torch's zip writer reports a short write as "[enforce fail ...] unexpected pos", dropping
+        # the OS's ENOSPC; say what happened when the file system is indeed (nearly) full
+        if shutil.disk_usage(path.parent).free < 16 << 20:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path)) from e
+        raise
 
 
 def save_checkpoint(run_dir: Path, step: int, d: Dist, core: nn.Module, opt, trainer_state: dict,
@@ -579,6 +587,22 @@ def save_checkpoint(run_dir: Path, step: int, d: Dist, core: nn.Module, opt, tra
                 shutil.rmtree(p, ignore_errors=True)
     d.barrier()
     return final
+
+
+def relog_checkpoint_records(run_dir: Path, ckpt: Path, step: int, metrics) -> None:
+    """A kill between a checkpoint's commit and its `val`/`checkpoint` lines in metrics.jsonl would
+    lose them for good (the resumed run starts after that step): write them from the checkpoint's
+    own state.json when they are missing."""
+    logged = read_metrics(run_dir)
+    has = lambda kind: any(r.get("step") == step for r in logged.get(kind, []))  # noqa: E731
+    try:
+        summary = json.loads((ckpt / "state.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    if summary.get("val") is not None and not has("val"):
+        metrics.write({"kind": "val", "step": step, **summary["val"], "time": summary.get("time")})
+    if not has("checkpoint"):
+        metrics.write({"kind": "checkpoint", "step": step, "path": str(ckpt), "time": summary.get("time")})
 
 
 def load_weights(core: nn.Module, path: Path) -> None:
@@ -860,6 +884,7 @@ def _train(args, d: Dist, inp: Inputs, out: Path, identity: dict, on_step) -> di
     metrics = JsonlWriter(out / METRICS) if d.main else None
     if metrics and ckpts:
         metrics.write({"kind": "resume", "step": step, "from": ckpts[-1][1].name, "time": time.time()})
+        relog_checkpoint_records(out, ckpts[-1][1], step, metrics)
     if d.main:
         n_train = sum(p.numel() for p in params)
         print(f"04_train: {len(plan.train)} train / {len(plan.val)} val samples ({plan.dropped} too short, "

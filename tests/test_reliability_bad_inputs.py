@@ -1,0 +1,371 @@
+"""The bad-input catalogue, across the stages that meet each input: every case ends in exactly one
+`error: ...` line naming what is wrong, exit 2 (no traceback), and nothing already written is lost
+or changed (inputs and earlier outputs hashed before and after).
+
+Stages run in this process through errors.run_main (what `python eagle3-train/NN_*.py` runs;
+reliability.run_inprocess), so an exception that escapes as a traceback fails the test the same
+way."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+from helpers_generate import FaultServer, write_prompts
+from reliability import (Chain, Result, assert_one_error_line, assert_unchanged, chain, fault_server,  # noqa: F401
+                         run_inprocess, snapshot)
+
+
+
+@pytest.fixture(scope="module")
+def raw_dir(chain):
+    """A complete 01b output (30 answers with the k25 tokenizer's real ids)."""
+    return chain.gen
+
+
+def copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".lock", "progress.log"))
+    return dst
+
+
+def edit_jsonl(path: Path, fn) -> None:
+    """Rewrite a JSONL file record by record: fn(index, record) -> a record, a raw line, or None."""
+    lines = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        new = fn(i, json.loads(line))
+        if new is not None:
+            lines.append(new if isinstance(new, str) else json.dumps(new))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def refused(res: Result, inputs: dict[Path, dict], out: Path | None, *needles: str) -> str:
+    """One error line naming the needles, exit 2, the inputs untouched, no complete output."""
+    line = assert_one_error_line(res, *needles)
+    for d, before in inputs.items():
+        assert_unchanged(before, d, allow_new=lambda rel: False)
+    if out is not None:
+        assert not (out / "manifest.json").exists(), "a refused run left an output claiming completeness"
+    return line
+
+
+# ----------------------------------------------------------------------------- stage inputs
+
+def tok_input(chain: Chain, tmp_path: Path, fn) -> Path:
+    d = copy(chain.tokenized, tmp_path / "tokenized")
+    edit_jsonl(d / "data.jsonl", fn)
+    return d
+
+
+def run_02_03(stage: str, chain: Chain, data: Path, tmp_path: Path, capfd) -> tuple[Result, Path]:
+    out = tmp_path / f"out{stage}"
+    if stage == "02":
+        return run_inprocess("02_extract_hidden_states", chain.argv02(out, data), capfd), out
+    return run_inprocess("03_build_vocab_mapping", chain.argv03(out, data), capfd), out
+
+
+@pytest.mark.parametrize("stage", ["02", "03"])
+def test_malformed_jsonl_line_in_training_data(stage, chain, tmp_path, capfd):
+    data = tok_input(chain, tmp_path, lambda i, r: '{"id": "s5-x", "input_ids": [1, 2' if i == 4 else r)
+    before = snapshot(data)
+    res, out = run_02_03(stage, chain, data, tmp_path, capfd)
+    refused(res, {data: before}, out, "data.jsonl:5", "malformed")
+
+
+@pytest.mark.parametrize("stage", ["02", "03"])
+def test_missing_field_in_training_data(stage, chain, tmp_path, capfd):
+    data = tok_input(chain, tmp_path, lambda i, r: {k: v for k, v in r.items() if k != "loss_mask"} if i == 3 else r)
+    before = snapshot(data)
+    res, out = run_02_03(stage, chain, data, tmp_path, capfd)
+    refused(res, {data: before}, out, "loss_mask")
+
+
+@pytest.mark.parametrize("stage", ["02", "03"])
+def test_token_ids_from_another_tokenizer(stage, chain, tmp_path, capfd):
+    """A record whose ids were made with a larger vocabulary (id 163607 = Kimi's </think>)."""
+    data = tok_input(chain, tmp_path, lambda i, r: {**r, "input_ids": [*r["input_ids"][:-1], 163607]} if i == 2 else r)
+    before = snapshot(data)
+    res, out = run_02_03(stage, chain, data, tmp_path, capfd)
+    refused(res, {data: before}, out, "163607", "vocab")  # the id and the vocabulary it is outside of
+
+
+# ----------------------------------------------------------------------------- 01b inputs and servers
+
+def run01b(prompts: Path, out: Path, url: str, capfd, *extra) -> Result:
+    return run_inprocess("01b_generate_synthetic", ["--input", prompts, "--output-dir", out, "--model", "fake",
+                                                   "--base-url", url, "--max-retries", "0", *extra], capfd)
+
+
+@pytest.mark.parametrize("row, needles", [
+    ('{"id": "b", "messages": [{"role": "user", "con', ("p.jsonl:2", "malformed")),   # malformed line
+    ('{"id": "b", "text": "no conversation field"}', ("p.jsonl:2", "messages")),      # missing fields
+    ('{"id": "b", "messages": [{"role": "user", "content": "  "}]}', ("p.jsonl:2", "empty prompt")),
+    ('{"id": "b", "prompt": ""}', ("p.jsonl:2", "empty prompt")),
+], ids=["malformed", "missing-fields", "empty-message", "empty-prompt-field"])
+def test_01b_bad_prompt_rows(row, needles, tmp_path, fault_server, capfd):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "messages": [{"role": "user", "content": "fine"}]}\n' + row + "\n"
+                       '{"id": "c", "prompt": "also fine"}\n')
+    before = snapshot(tmp_path)
+    res = run01b(prompts, tmp_path / "gen", fault_server.url, capfd)
+    refused(res, {}, tmp_path / "gen", *needles)
+    assert_unchanged(before, tmp_path, allow_new=lambda rel: rel.startswith("gen/"))
+    assert not (tmp_path / "gen" / "raw_responses.jsonl").exists() or \
+        not (tmp_path / "gen" / "raw_responses.jsonl").read_bytes(), "requests were made before the input was checked"
+
+
+def test_01b_server_unreachable(tmp_path, capfd):
+    from eagle3_train.vllm_server import free_port
+
+    prompts = write_prompts(tmp_path / "p.jsonl", ["a", "b"])
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    res = run01b(prompts, tmp_path / "gen", url, capfd, "--connect-timeout", "2")
+    refused(res, {}, tmp_path / "gen", "reachable")
+
+
+def test_05_server_unreachable(chain, tmp_path, capfd):
+    from eagle3_train.vllm_server import free_port
+
+    prompts = write_prompts(tmp_path / "p.jsonl", ["a"])
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    res = run_inprocess("05_evaluate", ["--draft", chain.run / "export", "--prompts", prompts, "--arms", "eagle3",
+                                        "--base-url", url, "--output-dir", tmp_path / "ev", "--num-prompts", "1",
+                                        "--concurrency", "1", "--timeout", "5"], capfd)
+    refused(res, {}, tmp_path / "ev", url)
+
+
+class _Junk(http.server.BaseHTTPRequestHandler):
+    """A server that answers everything with 200 and a body that is not what the API says: an
+    HTML error page from a proxy, or JSON of the wrong shape."""
+    body = b""
+    ctype = "text/html"
+
+    def _send(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+        self.send_response(200)
+        self.send_header("Content-Type", self.ctype)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    do_GET = do_POST = _send
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def junk_server():
+    servers = []
+
+    def start(body: bytes, ctype: str) -> str:
+        handler = type("H", (_Junk,), {"body": body, "ctype": ctype})
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return f"http://127.0.0.1:{srv.server_address[1]}/v1"
+
+    yield start
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+@pytest.mark.parametrize("body, ctype", [
+    (b"<html><body><h1>502 Bad Gateway</h1></body></html>", "text/html"),
+    (b'{"object": "list", "models": "not the OpenAI schema"}', "application/json"),
+], ids=["non-json", "wrong-schema"])
+def test_01b_server_answering_junk(body, ctype, tmp_path, junk_server, capfd):
+    """Every answer (the model list and each completion) is junk: one line, exit 2, and the
+    prompts stay pending (nothing is recorded as answered)."""
+    prompts = write_prompts(tmp_path / "p.jsonl", [f"q{i}" for i in range(6)])
+    out = tmp_path / "gen"
+    res = run01b(prompts, out, junk_server(body, ctype), capfd, "--abort-after", "3", "--concurrency", "1")
+    refused(res, {}, out)
+    raw = out / "raw_responses.jsonl"
+    assert not raw.exists() or not raw.read_bytes()
+
+
+def test_01b_completions_with_wrong_schema_abort_after_a_streak(tmp_path, capfd, k25_tokenizer_dir):
+    """/models is fine but every completion is valid JSON without `choices`."""
+    prompts = write_prompts(tmp_path / "p.jsonl", [f"q{i}" for i in range(6)])
+    with FaultServer(tmp_path, "--schedule", "schema", "--cycle") as fs:
+        res = run01b(prompts, tmp_path / "gen", fs.url, capfd, "--abort-after", "3", "--concurrency", "1")
+    refused(res, {}, tmp_path / "gen", "3 requests in a row", "bad_schema")
+    errs = [json.loads(x) for x in (tmp_path / "gen" / "errors.jsonl").read_text().splitlines()]
+    assert {e["error_type"] for e in errs} == {"bad_schema"} and len(errs) == 3
+
+
+# ----------------------------------------------------------------------------- 01c inputs
+
+def raw_input(raw_dir: Path, tmp_path: Path, fn) -> Path:
+    d = copy(raw_dir, tmp_path / "raw")
+    edit_jsonl(d / "raw_responses.jsonl", fn)
+    return d
+
+
+def run01c(raw: Path, out: Path, tok: Path, capfd, *extra) -> Result:
+    return run_inprocess("01c_tokenize", ["--raw-dir", raw, "--output-dir", out, "--tokenizer", tok, *extra], capfd)
+
+
+def test_01c_malformed_line(raw_dir, tmp_path, capfd, k25_tokenizer_dir):
+    raw = raw_input(raw_dir, tmp_path, lambda i, r: '{"id": "q003", "messages": [' if i == 3 else r)
+    before = snapshot(raw)
+    refused(run01c(raw, tmp_path / "tok", k25_tokenizer_dir, capfd), {raw: before}, tmp_path / "tok",
+            "raw_responses.jsonl:4", "malformed")
+
+
+def test_01c_missing_fields(raw_dir, tmp_path, capfd, k25_tokenizer_dir):
+    raw = raw_input(raw_dir, tmp_path,
+                    lambda i, r: {k: v for k, v in r.items() if k != "messages"} if r["id"] == "q002" else r)
+    before = snapshot(raw)
+    refused(run01c(raw, tmp_path / "tok", k25_tokenizer_dir, capfd), {raw: before}, tmp_path / "tok",
+            "q002", "prompt")
+
+
+def test_01c_empty_prompt(raw_dir, tmp_path, capfd, k25_tokenizer_dir):
+    raw = raw_input(raw_dir, tmp_path, lambda i, r: {**r, "messages": [{"role": "user", "content": ""}],
+                                                     "prompt_token_ids": None} if r["id"] == "q001" else r)
+    before = snapshot(raw)
+    refused(run01c(raw, tmp_path / "tok", k25_tokenizer_dir, capfd), {raw: before}, tmp_path / "tok",
+            "q001", "empty prompt")
+
+
+def test_01c_token_ids_from_another_tokenizer(raw_dir, tmp_path, capfd, k25_tokenizer_dir):
+    raw = raw_input(raw_dir, tmp_path,
+                    lambda i, r: {**r, "token_ids": [*r["token_ids"][:-1], 163586]} if r["id"] == "q005" else r)
+    before = snapshot(raw)
+    refused(run01c(raw, tmp_path / "tok", k25_tokenizer_dir, capfd), {raw: before}, tmp_path / "tok",
+            "q005", "163586")
+
+
+def _empty_answer(r: dict, think_end: int, im_end: int) -> dict:
+    return {**r, "reasoning": "", "content": "", "token_ids": [think_end, im_end]}
+
+
+def test_01c_empty_answers_are_dropped_and_counted(raw_dir, tmp_path, capfd, k25_tokenizer, k25_tokenizer_dir):
+    """An answer with neither reasoning nor content (the server gave up, or a refusal to think and
+    answer) teaches only `</think><|im_end|>`: dropped and counted, like a prompt too long, never
+    silently trained on."""
+    te, ie = k25_tokenizer.convert_tokens_to_ids("</think>"), k25_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    raw = raw_input(raw_dir, tmp_path, lambda i, r: _empty_answer(r, te, ie) if r["id"] in ("q002", "q006") else r)
+    res = run01c(raw, tmp_path / "tok", k25_tokenizer_dir, capfd)
+    assert res.rc == 0, res.stderr
+    ids = [json.loads(x)["id"] for x in (tmp_path / "tok" / "data.jsonl").read_text().splitlines()]
+    assert "q002" not in ids and "q006" not in ids, "empty answers were kept as training samples"
+    counts = json.loads((tmp_path / "tok" / "manifest.json").read_text())["counts"]
+    assert any("empty" in k and v == 2 for k, v in counts.items()), counts
+
+
+def test_01c_only_empty_answers_is_an_error(raw_dir, tmp_path, capfd, k25_tokenizer, k25_tokenizer_dir):
+    te, ie = k25_tokenizer.convert_tokens_to_ids("</think>"), k25_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    raw = raw_input(raw_dir, tmp_path, lambda i, r: _empty_answer(r, te, ie))
+    before = snapshot(raw)
+    refused(run01c(raw, tmp_path / "tok", k25_tokenizer_dir, capfd), {raw: before}, tmp_path / "tok", "no sample")
+
+
+def tokenizer_without_think(src: Path, dst: Path) -> Path:
+    """The k25 tokenizer with its think tokens renamed: a non-reasoning model's tokenizer."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".complete"))
+    for p in dst.iterdir():
+        if p.is_file() and p.suffix in (".json", ".jinja", ""):
+            text = p.read_text()
+            p.write_text(text.replace("</think>", "</reason>").replace("<think>", "<reason>"))
+    return dst
+
+
+def test_01c_tokenizer_without_think_tokens(raw_dir, tmp_path, capfd, k25_tokenizer_dir):
+    tok = tokenizer_without_think(k25_tokenizer_dir, tmp_path / "nothink")
+    before = snapshot(raw_dir)
+    refused(run01c(raw_dir, tmp_path / "tok", tok, capfd), {raw_dir: before}, tmp_path / "tok",
+            "think", "--no-reasoning")
+
+
+def test_01c_prompt_longer_than_max_length(raw_dir, tmp_path, capfd, k25_tokenizer_dir):
+    """Samples whose prompt fills --max-seq-len are dropped and counted; if that leaves none, it is
+    an error naming the reason."""
+    raw = (raw_dir / "raw_responses.jsonl").read_text().splitlines()
+    lens = sorted(len(json.loads(x)["prompt_token_ids"]) for x in raw)
+    cut = lens[len(lens) // 2]  # at least half the prompts fill it
+    res = run01c(raw_dir, tmp_path / "tok", k25_tokenizer_dir, capfd, "--max-seq-len", cut)
+    assert res.rc == 0, res.stderr
+    counts = json.loads((tmp_path / "tok" / "manifest.json").read_text())["counts"]
+    dropped = counts["dropped_no_supervised_tokens"]
+    assert dropped >= 1 and counts["samples"] + dropped == len(lens), counts
+    assert "no supervised tokens" in res.stdout and str(dropped) in res.stdout
+    before = snapshot(raw_dir)
+    refused(run01c(raw_dir, tmp_path / "tok2", k25_tokenizer_dir, capfd, "--max-seq-len", lens[0] - 1),
+            {raw_dir: before}, tmp_path / "tok2", "no sample left", "no_supervised_tokens")
+
+
+# ----------------------------------------------------------------------------- 02's shards in 04 and 05
+
+def val_ids(chain: Chain) -> set[str]:
+    """04's validation split: the samples 05 evaluates offline."""
+    return set(json.loads((chain.run / "manifest.json").read_text())["split"]["val_ids"])
+
+
+def heldout_shard(chain: Chain) -> str:
+    """A shard holding a sample of 04's validation split."""
+    val = val_ids(chain)
+    for line in (chain.hs / "index.jsonl").read_text().splitlines():
+        e = json.loads(line)
+        if val & set(e["ids"]):
+            return e["shard"]
+    raise AssertionError("no shard holds a validation sample")
+
+
+def store_copy(chain: Chain, tmp_path: Path, damage) -> tuple[Path, str]:
+    d = copy(chain.hs, tmp_path / "hs")
+    name = heldout_shard(chain)
+    damage(d / name, val_ids(chain))
+    return d, name
+
+
+def truncate(p: Path, val: set[str]) -> None:
+    p.write_bytes(p.read_bytes()[: p.stat().st_size * 2 // 3])
+
+
+def put_nan(p: Path, val: set[str]) -> None:
+    """A NaN inside a shard that is otherwise whole (same size, valid header and metadata), in a
+    validation sample's rows so that 05, which reads only those, meets it as well as 04."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(p), "pt") as f:
+        meta = f.metadata()
+    t = load_file(str(p))
+    key = "aux_scale" if "aux_scale" in t else "aux"
+    layout = json.loads(meta["eagle3"])
+    row = next(off for sid, off in zip(layout["ids"], layout["offsets"]) if sid in val)
+    t[key][row + 1].view(-1)[0] = float("nan")
+    save_file(t, str(p), metadata=meta)
+
+
+def run_04_05(stage: str, chain: Chain, store: Path, out: Path, capfd) -> Result:
+    if stage == "04":
+        argv = chain.argv04(out)
+        argv[argv.index("--hidden-states") + 1] = str(store)
+        return run_inprocess("04_train", argv, capfd)
+    return run_inprocess("05_evaluate", ["--draft", chain.run / "export", "--store", store, "--output-dir", out], capfd)
+
+
+@pytest.mark.parametrize("stage", ["04", "05"])
+def test_truncated_shard(stage, chain, tmp_path, capfd):
+    store, name = store_copy(chain, tmp_path, truncate)
+    before = snapshot(store)
+    refused(run_04_05(stage, chain, store, tmp_path / "out", capfd), {store: before}, tmp_path / "out", name)
+
+
+@pytest.mark.parametrize("stage", ["04", "05"])
+def test_shard_with_nan(stage, chain, tmp_path, capfd):
+    """A NaN in the stored features must stop the run with the shard named, not train (04) or
+    score (05) on it."""
+    store, name = store_copy(chain, tmp_path, put_nan)
+    before = snapshot(store)
+    refused(run_04_05(stage, chain, store, tmp_path / "out", capfd), {store: before}, tmp_path / "out", name)
