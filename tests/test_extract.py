@@ -167,7 +167,7 @@ def _kill_trial(kill_case, llama_target_dir, name, delay_s):
     out = base / name
     done = _kill_mid_run(inp, llama_target_dir, out, extra, delay_s)
     assert not (out / "manifest.json").exists(), "the run finished before the kill; the test proves nothing"
-    assert 1 <= done < len(clean)
+    assert 1 <= done <= len(clean)  # all shards in, manifest not yet: a moment too
     assert run02(inp, llama_target_dir, out, *extra) == 0  # rerun = resume
     assert _shard_bytes(out) == clean  # byte-identical shards, whatever the kill interrupted
     assert not list(out.glob(".tmp-*"))
@@ -179,10 +179,8 @@ def test_kill9_mid_run_then_rerun_gives_the_same_shards(kill_case, llama_target_
     _kill_trial(kill_case, llama_target_dir, "killed", 0.0)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("trial", range(8))
-def test_kill9_sweep(kill_case, llama_target_dir, trial):
-    _kill_trial(kill_case, llama_target_dir, f"sweep{trial}", 0.05 * trial)
+# The many-moments sweep for 02 is tests/test_reliability_crash.py::test_kill9_sweep[02]: its kill
+# moments follow the run's own output (bytes written), not a wall-clock delay a fast machine outruns.
 
 
 def test_validate_catches_truncated_and_nan_shards_and_repair_redoes_them(tmp_path, kill_case, llama_target_dir):
