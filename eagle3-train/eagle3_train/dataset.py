@@ -110,7 +110,8 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
     Every sample goes through tokenization.tokenize_sample (path (a), the returned ids, when
     present; checked against path (b), the re-wrapped text). Mismatches are kept and reported;
     answers cut by max_tokens are kept unless keep_length=False; empty answers and samples left with
-    no supervised token (e.g. a prompt longer than max_seq_len) are dropped. Everything is counted in the manifest.
+    no supervised token (e.g. a prompt longer than max_seq_len) are dropped. Everything is counted in
+    the manifest.
     Rebuilt from scratch each time (temp file + rename), skipped when already up to date.
     """
     from .manifest import MANIFEST, describe_file, describe_tokenizer, write_manifest
@@ -191,7 +192,8 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
         summary = summarize(kept)
         all_counts = {**summary, **{k: counts[k] for k in (
             "input_records", "mismatched", "truncated", "kept_length", "dropped_length",
-            "dropped_no_supervised_tokens", "dropped_empty_answer", "dropped_duplicate_id")}, "finish_reasons": dict(finish)}
+            "dropped_no_supervised_tokens", "dropped_empty_answer", "dropped_duplicate_id")},
+            "finish_reasons": dict(finish)}
         manifest = write_manifest(
             out_dir, STAGE, config=config,
             inputs={"raw_responses": {**describe_file(raw_path, hash_it=False), "sha256": raw_sha},
