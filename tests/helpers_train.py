@@ -116,3 +116,10 @@ def build_mapping(out_dir: Path, store_dir: Path, target_dir: Path, draft_vocab_
                    target=describe_target(cfg, str(target_dir)),
                    counts={"draft_vocab_size": draft_vocab_size, "target_vocab_size": cfg.vocab_size})
     return out_dir
+
+
+def train_inputs(root: Path, target_dir: Path, *, n: int, shard_size: int, draft_vocab_size: int = 96) -> dict:
+    """A store and a vocab mapping for 04 under `root`: what each 04 test module starts from."""
+    store = build_store(root / "store", target_dir, n=n, shard_size=shard_size)
+    mapping = build_mapping(root / "map", store, target_dir, draft_vocab_size)
+    return {"store": store, "map": mapping, "target": target_dir, "root": root}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import load_script
-from helpers_train import build_mapping, build_store
+from helpers_train import train_inputs
 from safetensors.torch import load_file
 
 from eagle3_train import train as T
@@ -24,10 +24,7 @@ stage = load_script("04_train")
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, llama_target_dir):
-    root = tmp_path_factory.mktemp("dist")
-    store = build_store(root / "store", llama_target_dir, n=20, shard_size=7)
-    mapping = build_mapping(root / "map", store, llama_target_dir, 96)
-    return {"store": store, "map": mapping, "target": llama_target_dir, "root": root}
+    return train_inputs(tmp_path_factory.mktemp("dist"), llama_target_dir, n=20, shard_size=7)
 
 
 def argv(inputs, out, *extra):
