@@ -43,30 +43,11 @@ def parse_args(argv=None):
 
 
 def make_tokenized(directory: Path, target: Path, n: int, seed: int = 1) -> Path:
-    from transformers import AutoTokenizer
-
-    from eagle3_train.dataset import DATA, STAGE, summarize, training_record
-    from eagle3_train.manifest import describe_tokenizer, write_manifest
-    from eagle3_train.store import JsonlWriter
-    from eagle3_train.tiny import synthetic_examples
-    from eagle3_train.tokenization import ChatFormat, tokenize_sample
+    from eagle3_train.fixtures import synthetic_training_set
 
     if (directory / "manifest.json").exists():
         return directory
-    tok = AutoTokenizer.from_pretrained(target)
-    fmt = ChatFormat.from_tokenizer(tok)
-    recs = []
-    for i, ex in enumerate(synthetic_examples(n, seed)):
-        sample = {"id": f"q{seed}-{i:05d}", "messages": [{"role": "user", "content": ex["question"]}],
-                  "reasoning": ex["reasoning"], "content": ex["answer"], "finish_reason": "stop"}
-        recs.append(training_record(sample, tokenize_sample(sample, fmt)))
-    directory.mkdir(parents=True, exist_ok=True)
-    with JsonlWriter(directory / DATA, fsync=False) as w:
-        for r in recs:
-            w.write(r)
-    write_manifest(directory, STAGE, config={"n": n, "seed": seed}, counts=summarize(recs),
-                   tokenizer=describe_tokenizer(tok, str(target)), chat_format=fmt.describe())
-    return directory
+    return synthetic_training_set(directory, target, n=n, seed=seed, id_prefix="q", id_width=5)
 
 
 def main(argv=None):

@@ -50,29 +50,11 @@ def stage(name: str):
 
 def make_inputs(work: Path, target: Path, n: int) -> tuple[Path, Path]:
     """tokenized set (the one tokenization module) -> 02 (hf, fp32) -> 03."""
-    from transformers import AutoTokenizer
-
-    from eagle3_train.dataset import DATA, STAGE, summarize, training_record
-    from eagle3_train.manifest import describe_tokenizer, write_manifest
-    from eagle3_train.store import JsonlWriter
-    from eagle3_train.tiny import synthetic_examples
-    from eagle3_train.tokenization import ChatFormat, tokenize_sample
+    from eagle3_train.fixtures import synthetic_training_set
 
     data, hs, vocab = work / "tokenized", work / "hidden", work / "vocab"
     if not (data / "manifest.json").exists():
-        tok = AutoTokenizer.from_pretrained(target)
-        fmt = ChatFormat.from_tokenizer(tok)
-        recs = []
-        for i, ex in enumerate(synthetic_examples(n, 4242)):
-            s = {"id": f"b{i:05d}", "messages": [{"role": "user", "content": ex["question"]}],
-                 "reasoning": ex["reasoning"], "content": ex["answer"], "finish_reason": "stop"}
-            recs.append(training_record(s, tokenize_sample(s, fmt)))
-        data.mkdir(parents=True, exist_ok=True)
-        with JsonlWriter(data / DATA, fsync=False) as w:
-            for r in recs:
-                w.write(r)
-        write_manifest(data, STAGE, config={"n": n}, counts=summarize(recs),
-                       tokenizer=describe_tokenizer(tok, str(target)), chat_format=fmt.describe())
+        synthetic_training_set(data, target, n=n, seed=4242, id_prefix="b", id_width=5)
     if not (hs / "manifest.json").exists():
         stage("02_extract_hidden_states").main(["--input", str(data), "--output", str(hs), "--model",
                                                 str(target), "--storage", "fp32"])

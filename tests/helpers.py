@@ -7,33 +7,12 @@ from pathlib import Path
 
 def make_training_set(directory: Path, tokenizer_dir: Path, n: int = 12, seed: int = 0, *,
                       max_seq_len: int | None = None, id_prefix: str = "s") -> Path:
-    """A complete tokenized training set (stage `tokenize`) of `n` synthetic reasoning samples,
-    made the way the pipeline makes one: tokenization.tokenize_sample -> dataset.training_record,
-    data.jsonl, then the manifest with the tokenizer's fingerprint. Returns `directory`."""
-    from transformers import AutoTokenizer
+    """A complete tokenized training set of `n` synthetic reasoning samples (see
+    fixtures.synthetic_training_set). Returns `directory`."""
+    from eagle3_train.fixtures import synthetic_training_set
 
-    from eagle3_train.dataset import DATA, STAGE, summarize, training_record
-    from eagle3_train.manifest import describe_tokenizer, write_manifest
-    from eagle3_train.store import JsonlWriter
-    from eagle3_train.tiny import synthetic_examples
-    from eagle3_train.tokenization import ChatFormat, tokenize_sample
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    fmt = ChatFormat.from_tokenizer(tok)
-    records = []
-    for i, ex in enumerate(synthetic_examples(n, seed)):
-        sample = {"id": f"{id_prefix}{seed}-{i:04d}", "messages": [{"role": "user", "content": ex["question"]}],
-                  "reasoning": ex["reasoning"], "content": ex["answer"], "finish_reason": "stop"}
-        records.append(training_record(sample, tokenize_sample(sample, fmt, max_seq_len=max_seq_len)))
-    with JsonlWriter(directory / DATA, fsync=False) as w:
-        for rec in records:
-            w.write(rec)
-    write_manifest(directory, STAGE, config={"max_seq_len": max_seq_len, "seed": seed, "n": n},
-                   counts=summarize(records), tokenizer=describe_tokenizer(tok, str(tokenizer_dir)),
-                   chat_format=fmt.describe())
-    return directory
+    return synthetic_training_set(directory, tokenizer_dir, n=n, seed=seed, id_prefix=id_prefix,
+                                  max_seq_len=max_seq_len)
 
 
 def load_script(name: str):

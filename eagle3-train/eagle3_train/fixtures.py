@@ -54,3 +54,36 @@ def tiny_reasoner_dir() -> Path:
     if not (TINY_REASONER / "model.safetensors").exists():
         raise FileNotFoundError(f"{TINY_REASONER} is missing: run scripts/build_tiny_target.py")
     return TINY_REASONER
+
+
+def synthetic_training_set(directory: Path, tokenizer_dir: Path, *, n: int, seed: int, id_prefix: str = "s",
+                           id_width: int = 4, max_seq_len: int | None = None) -> Path:
+    """A complete tokenized training set (stage `tokenize`) of `n` synthetic reasoning samples
+    (ids `<prefix><seed>-<i>`), made the way the pipeline makes one: tokenization.tokenize_sample ->
+    dataset.training_record, data.jsonl, then the manifest with the tokenizer's fingerprint.
+    For tests and benchmarks that need 01c's output without a server. Returns `directory`."""
+    from transformers import AutoTokenizer
+
+    from .dataset import DATA, STAGE, summarize, training_record
+    from .manifest import describe_tokenizer, write_manifest
+    from .store import JsonlWriter
+    from .tiny import synthetic_examples
+    from .tokenization import ChatFormat, tokenize_sample
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    fmt = ChatFormat.from_tokenizer(tok)
+    records = []
+    for i, ex in enumerate(synthetic_examples(n, seed)):
+        sample = {"id": f"{id_prefix}{seed}-{i:0{id_width}d}",
+                  "messages": [{"role": "user", "content": ex["question"]}],
+                  "reasoning": ex["reasoning"], "content": ex["answer"], "finish_reason": "stop"}
+        records.append(training_record(sample, tokenize_sample(sample, fmt, max_seq_len=max_seq_len)))
+    with JsonlWriter(directory / DATA, fsync=False) as w:
+        for rec in records:
+            w.write(rec)
+    write_manifest(directory, STAGE, config={"max_seq_len": max_seq_len, "seed": seed, "n": n},
+                   counts=summarize(records), tokenizer=describe_tokenizer(tok, str(tokenizer_dir)),
+                   chat_format=fmt.describe())
+    return directory
