@@ -3,7 +3,7 @@
 speculators format vLLM serves (`--speculative-config '{"method": "eagle3", "model": OUT/export}'`).
 
     python eagle3-train/04_train.py --hidden-states work/hidden --vocab-mapping work/vocab \\
-        --target MODEL --out work/draft
+        --target MODEL --output-dir work/draft
     torchrun --nproc-per-node 8 eagle3-train/04_train.py ...            # DDP on 8 GPUs
     torchrun --nnodes 2 --node-rank R --master-addr HOST --nproc-per-node 8 eagle3-train/04_train.py ...
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eagle3_train.errors import PipelineError, run_main
+from eagle3_train.errors import run_main
 
 
 def _ids(text: str) -> list[int]:
@@ -33,7 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--target", required=True,
                    help="target model path or name: config, final norm, lm_head and embeddings")
     g = p.add_argument_group("output")
-    g.add_argument("--output-dir", "--out", dest="out", required=True,
+    g.add_argument("--output-dir", "--out", dest="output_dir", required=True,
                    help="run directory (checkpoints, metrics, export/)")
     g.add_argument("--overwrite", action="store_true",
                    help="move a run made with other settings aside (to replaced-<time>/) and start over "
@@ -108,28 +108,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def check_args(args) -> None:
-    positive = ("ttt_steps", "max_tokens_per_batch", "grad_accum", "epochs", "save_every", "log_every",
-                "draft_layers", "num_speculative_tokens")
-    for name in positive:
-        if getattr(args, name) < 1:
-            raise PipelineError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
-    if args.max_steps is not None and args.max_steps < 1:
-        raise PipelineError(f"--max-steps must be at least 1, not {args.max_steps}")
-    if not 0 <= args.val_fraction < 1:
-        raise PipelineError(f"--val-fraction must be in [0, 1), not {args.val_fraction}")
-    if args.lr <= 0:
-        raise PipelineError(f"--lr must be positive, not {args.lr}")
-    if args.keep_last < 1:
-        raise PipelineError(f"--keep-last must be at least 1, not {args.keep_last}")
+def config(argv=None):
+    """The arguments as 04's TrainConfig (validated: a bad value is one error line)."""
+    from eagle3_train.train import TrainConfig
+
+    return TrainConfig.from_args(parse_args(argv))
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    check_args(args)
     from eagle3_train.train import run
 
-    run(args)
+    run(config(argv))
     return 0
 
 

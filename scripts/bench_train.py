@@ -90,7 +90,8 @@ def speculators_data(work: Path, store) -> Path:
 
 
 def run_ours(work: Path, hs: Path, vocab: Path, target: Path, args, k: int) -> dict:
-    from eagle3_train import train as T
+    from eagle3_train.train import run
+    from eagle3_train.train.metrics import read_metrics
 
     out = work / f"ours-{k}"
     shutil.rmtree(out, ignore_errors=True)
@@ -98,10 +99,10 @@ def run_ours(work: Path, hs: Path, vocab: Path, target: Path, args, k: int) -> d
             "--max-tokens-per-batch", str(args.max_tokens), "--ttt-steps", str(args.ttt_steps),
             "--val-fraction", "0", "--epochs", "1", "--save-every", "1000000", "--log-every", "1000000",
             "--lr", "1e-3", "--attn", "sdpa", "--loss-impl", "eager", "--quiet", "--overwrite"]
-    T.run(stage("04_train").parse_args(argv))
+    run(stage("04_train").config(argv))
     # One record for the whole epoch: tokens and the loop's wall time, first batch's load included,
     # the final checkpoint/export not (speculators' train_epoch does neither).
-    rec = T.read_metrics(out)["train"][-1]
+    rec = read_metrics(out)["train"][-1]
     seconds = rec["tokens"] / rec["tokens_per_s"]
     return {"tokens": rec["tokens"], "seconds": seconds, "tokens_per_s": rec["tokens_per_s"],
             "tokens_per_cpu_s": rec["tokens"] / rec["cpu_s"], "steps": rec["step"]}

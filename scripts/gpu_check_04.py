@@ -48,7 +48,8 @@ def load(path: Path, name: str):
 
 
 def train_once(work: Path, hs: Path, vocab: Path, target: Path, args, name: str, extra: list[str]) -> dict:
-    from eagle3_train import train as T
+    from eagle3_train.train import run
+    from eagle3_train.train.metrics import read_metrics
 
     out = work / name
     argv = ["--hidden-states", str(hs), "--vocab-mapping", str(vocab), "--target", str(target), "--out", str(out),
@@ -56,9 +57,9 @@ def train_once(work: Path, hs: Path, vocab: Path, target: Path, args, name: str,
             "--max-steps", str(args.steps), "--epochs", "50", "--val-fraction", "0.05", "--save-every",
             str(args.steps), "--log-every", "1", "--lr", "3e-3", "--device", "cuda", "--quiet", *extra]
     t0 = time.perf_counter()
-    T.run(load(REPO / "eagle3-train" / "04_train.py", "stage_04").parse_args(argv))
+    run(load(REPO / "eagle3-train" / "04_train.py", "stage_04").config(argv))
     wall = time.perf_counter() - t0
-    m = T.read_metrics(out)
+    m = read_metrics(out)
     recs = m["train"][2:]  # the first steps compile kernels
     tokens = sum(r["tokens"] for r in recs)
     seconds = sum(r["tokens"] / r["tokens_per_s"] for r in recs)

@@ -150,22 +150,22 @@ def test_04_killed_right_after_a_checkpoint_commit_loses_no_metrics_record(chain
     dies before the `val` and `checkpoint` records reach metrics.jsonl. The resumed run starts
     after that checkpoint, so unless those records are re-logged (or written before the commit)
     they are lost for good. Simulated deterministically: the commit happens, then the 'kill'."""
-    from eagle3_train import train as T
+    from eagle3_train.train.checkpoint import Checkpointer, checkpoints
 
-    real = T.save_checkpoint
+    real = Checkpointer.save
 
-    def commit_then_die(run_dir, step, *a, **kw):
-        path = real(run_dir, step, *a, **kw)
+    def commit_then_die(self, step, *a, **kw):
+        path = real(self, step, *a, **kw)
         if step == 6:
             raise KeyboardInterrupt  # what SIGKILL does here, minus the process
         return path
 
     out = tmp_path / "run"
-    monkeypatch.setattr(T, "save_checkpoint", commit_then_die)
+    monkeypatch.setattr(Checkpointer, "save", commit_then_die)
     with pytest.raises(KeyboardInterrupt):
         load_stage("04_train").main(chain.argv04(out))
-    monkeypatch.setattr(T, "save_checkpoint", real)
-    assert [s for s, _ in T.checkpoints(out)][-1] == 6 and not (out / "manifest.json").exists()
+    monkeypatch.setattr(Checkpointer, "save", real)
+    assert [s for s, _ in checkpoints(out)][-1] == 6 and not (out / "manifest.json").exists()
     assert load_stage("04_train").main(chain.argv04(out)) == 0
     kinds = lambda d: {(r["kind"], r["step"]) for r in map(json.loads, VIEWS["04"](d)["metrics.jsonl"])}  # noqa: E731
     missing = sorted(kinds(chain.run) - kinds(out))

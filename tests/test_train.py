@@ -12,7 +12,14 @@ from helpers import load_script
 from helpers_train import build_store, train_inputs
 from safetensors.torch import load_file
 
-from eagle3_train import train as T
+from eagle3_train.train import STAGE, run
+from eagle3_train.train.checkpoint import checkpoints
+from eagle3_train.train.data import collate, pack, split_ids
+from eagle3_train.train.dist import Dist
+from eagle3_train.train.inputs import open_inputs
+from eagle3_train.train.metrics import METRICS, read_metrics
+from eagle3_train.train.model import build_model
+from eagle3_train.train.objective import Objective, alignment, prepare
 from eagle3_train.errors import PipelineError
 
 stage = load_script("04_train")
@@ -31,9 +38,7 @@ def argv(inputs, out, *extra):
 
 
 def train(inputs, out, *extra, on_step=None):
-    args = stage.parse_args(argv(inputs, out, *extra))
-    stage.check_args(args)
-    return T.run(args, on_step=on_step)
+    return run(stage.config(argv(inputs, out, *extra)), on_step=on_step)
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +52,10 @@ def reference(inputs):
 def test_run_writes_checkpoints_metrics_curves_export_and_manifest(reference, inputs, capsys):
     from eagle3_train.manifest import read_manifest
 
-    man = read_manifest(reference, T.STAGE)
+    man = read_manifest(reference, STAGE)
     steps = man["counts"]["steps"]
     assert steps >= 6
-    m = T.read_metrics(reference)
+    m = read_metrics(reference)
     assert [r["step"] for r in m["train"]] == list(range(1, steps + 1))
     rec = m["train"][-1]
     assert len(rec["loss_by_step"]) == 3 and len(rec["acc_cond"]) == 3 and len(rec["acc_cum"]) == 3
@@ -59,11 +64,11 @@ def test_run_writes_checkpoints_metrics_curves_export_and_manifest(reference, in
     val_steps = [r["step"] for r in m["val"]]
     assert val_steps == sorted({*range(3, steps + 1, 3), steps})
     assert all(1 <= r["acceptance_length"] <= 4 and len(r["al_by_depth"]) == 3 for r in m["val"])
-    kept = [s for s, _ in T.checkpoints(reference)]
+    kept = [s for s, _ in checkpoints(reference)]
     best = man["best"]["step"]
     assert kept[-2:] == sorted({*range(3, steps + 1, 3), steps})[-2:] and best in kept
     assert len(kept) <= 3
-    ck = T.checkpoints(reference)[-1][1]
+    ck = checkpoints(reference)[-1][1]
     assert {p.name for p in ck.iterdir()} >= {"weights.pt", "optimizer.pt", "trainer.pt", "state.json",
                                               "rng", "COMPLETE"}
     assert (reference / "curves.png").read_bytes()[:4] == b"\x89PNG"
@@ -74,15 +79,15 @@ def test_run_writes_checkpoints_metrics_curves_export_and_manifest(reference, in
     assert man["split"]["val_ids"] and man["counts"]["exported_step"] == best
     # The export holds the best checkpoint's trained tensors.
     w = load_file(str(export / "model.safetensors"))
-    ckpt = torch.load(dict(T.checkpoints(reference))[best] / "weights.pt", weights_only=True)
+    ckpt = torch.load(dict(checkpoints(reference))[best] / "weights.pt", weights_only=True)
     assert torch.equal(w["fc.weight"], ckpt["draft.fc.weight"])
 
     # Rerunning the finished command does nothing and says so.
-    n_lines = len((reference / T.METRICS).read_text().splitlines())
+    n_lines = len((reference / METRICS).read_text().splitlines())
     capsys.readouterr()
     train(inputs, reference)
     assert "is complete" in capsys.readouterr().out
-    assert len((reference / T.METRICS).read_text().splitlines()) == n_lines
+    assert len((reference / METRICS).read_text().splitlines()) == n_lines
 
 
 def test_interrupted_run_resumes_to_the_same_trajectory(reference, inputs, tmp_path):
@@ -97,15 +102,15 @@ def test_interrupted_run_resumes_to_the_same_trajectory(reference, inputs, tmp_p
     with pytest.raises(KeyboardInterrupt):
         train(inputs, out, on_step=stop)
     assert not (out / "manifest.json").exists()
-    assert [s for s, _ in T.checkpoints(out)] == [3]
+    assert [s for s, _ in checkpoints(out)] == [3]
     train(inputs, out)
-    ref, got = T.read_metrics(reference), T.read_metrics(out)
+    ref, got = read_metrics(reference), read_metrics(out)
     assert [r["step"] for r in got["train"]] == [r["step"] for r in ref["train"]]
     for a, b in zip(ref["train"], got["train"]):
         assert (a["loss"], a["loss_by_step"], a["acc_cum"], a["lr"]) == \
             (b["loss"], b["loss_by_step"], b["acc_cum"], b["lr"])
     assert [r["acceptance_length"] for r in ref["val"]] == [r["acceptance_length"] for r in got["val"]]
-    assert any(r.get("kind") == "resume" for r in map(json.loads, (out / T.METRICS).read_text().splitlines()))
+    assert any(r.get("kind") == "resume" for r in map(json.loads, (out / METRICS).read_text().splitlines()))
     wa = load_file(str(reference / "export" / "model.safetensors"))
     wb = load_file(str(out / "export" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -191,22 +196,22 @@ def test_topk_targets_give_the_same_loss_as_hidden_states(inputs, tmp_path, llam
 
     topk_store = build_store(tmp_path / "topk", llama_target_dir, n=20, shard_size=7, topk=500)
     dense, sparse = HiddenStates(inputs["store"]), HiddenStates(topk_store)
-    args = stage.parse_args(argv(inputs, tmp_path / "x"))
-    inp = T.open_inputs(args)
-    draft, head, core, _ = T.build(args, inp, T.Dist())
+    config = stage.config(argv(inputs, tmp_path / "x"))
+    inp = open_inputs(config)
+    model = build_model(config, inp, Dist())
+    draft, head, core = model.draft, model.head, model.objective
     assert not inp.topk
     ids = dense.ids[:3]
-    b1 = T.prepare(T.collate(dense, ids, 256, [0, 1, 2]), head, 3)
-    loss1, ls1, lc1, _ = core(b1)
-    core_topk = T.Objective(draft, 3, [1.0] * 3, "eager", True, _tgt2draft(draft))
-    b2 = T.prepare(T.collate(sparse, ids, 256, [0, 1, 2]), None, 3)
+    b1 = prepare(collate(dense, ids, 256, [0, 1, 2]), head, 3)
+    _, loss1, m1 = core(b1)
+    core_topk = Objective(draft, 3, [1.0] * 3, "eager", True, _tgt2draft(draft))
+    b2 = prepare(collate(sparse, ids, 256, [0, 1, 2]), None, 3)
     assert b2.last is None and b2.topk_ids.shape[1] == 500
-    loss2, ls2, lc2, _ = core_topk(b2)
-    assert torch.equal(lc1, lc2)
+    _, loss2, m2 = core_topk(b2)
+    assert torch.equal(m1["loss_cnt"], m2["loss_cnt"])
     torch.testing.assert_close(loss2, loss1, rtol=2e-3, atol=2e-3)
     # ... and a run on the top-k store trains end to end.
-    args = stage.parse_args(argv({**inputs, "store": topk_store}, tmp_path / "run", "--max-steps", "3"))
-    man = T.run(args)
+    man = run(stage.config(argv({**inputs, "store": topk_store}, tmp_path / "run", "--max-steps", "3")))
     assert man["counts"]["steps"] == 3 and (tmp_path / "run" / "export" / "model.safetensors").exists()
 
 
@@ -223,9 +228,9 @@ def test_packing_is_deterministic_and_respects_the_budget():
 
     lengths = {f"s{i}": 3 + (i * 37) % 200 for i in range(300)}
     ids = sorted(lengths)
-    a = T.pack(ids, lengths, 512, random.Random("0:0"))
-    b = T.pack(ids, lengths, 512, random.Random("0:0"))
-    c = T.pack(ids, lengths, 512, random.Random("0:1"))
+    a = pack(ids, lengths, 512, random.Random("0:0"))
+    b = pack(ids, lengths, 512, random.Random("0:0"))
+    c = pack(ids, lengths, 512, random.Random("0:1"))
     assert a == b and a != c
     assert sorted(i for batch in a for i in batch) == ids
     assert all(sum(min(lengths[i] - 1, 512) for i in batch) <= 512 for batch in a)
@@ -239,10 +244,10 @@ def test_split_is_fixed_by_id_and_matches_03_rule():
     ids = [f"x{i}" for i in range(1000)]
     lengths = dict.fromkeys(ids, 10)
     lengths["x0"] = 2  # too short to train on
-    train, val, dropped = T.split_ids(ids, lengths, 0.1, None)
+    train, val, dropped = split_ids(ids, lengths, 0.1, None)
     assert dropped == 1 and not set(train) & set(val)
     assert val == [i for i in ids[1:] if is_heldout(i, 0.1)] and 60 < len(val) < 140
-    train2, val2, _ = T.split_ids(list(reversed(ids)), lengths, 0.1, None)
+    train2, val2, _ = split_ids(list(reversed(ids)), lengths, 0.1, None)
     assert set(val2) == set(val) and set(train2) == set(train)
 
 
@@ -252,10 +257,10 @@ def test_collate_aligns_steps_within_documents(inputs):
 
     hs = HiddenStates(inputs["store"])
     ids = hs.ids[:3]
-    b = T.collate(hs, ids, 1024, [0, 1, 2])
+    b = collate(hs, ids, 1024, [0, 1, 2])
     lens = [hs.length(i) for i in ids]
     assert b.aux.shape[1] == b.ids.shape[1] == sum(n - 1 for n in lens) and b.n_docs == 3
-    valid = T.alignment(b, 4)
+    valid = alignment(b, 4)
     starts = [0, lens[0], lens[0] + lens[1]]
     for k in range(4):
         expect = 0
@@ -281,7 +286,7 @@ def test_trains_on_inputs_from_the_real_02_and_03_stages(tmp_path, llama_target_
         ["--data", str(data), "--target", str(llama_target_dir), "--out", str(tmp_path / "vocab"),
          "--draft-vocab-size", "80"])
     inp = {"store": tmp_path / "hs", "map": tmp_path / "vocab", "target": llama_target_dir}
-    man = T.run(stage.parse_args(argv(inp, tmp_path / "run", "--max-steps", "2", "--val-fraction", "0.2")))
+    man = run(stage.config(argv(inp, tmp_path / "run", "--max-steps", "2", "--val-fraction", "0.2")))
     assert man["counts"]["steps"] == 2
     cfg = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 80
@@ -295,8 +300,8 @@ def test_cuda_fast_paths_follow_the_eager_paths(inputs, tmp_path):
     train(inputs, tmp_path / "fast", "--device", "cuda", "--max-steps", "4")
     train(inputs, tmp_path / "eager", "--device", "cuda", "--attn", "sdpa", "--loss-impl", "eager",
           "--max-steps", "4")
-    fast = [r["loss"] for r in T.read_metrics(tmp_path / "fast")["train"]]
-    eager = [r["loss"] for r in T.read_metrics(tmp_path / "eager")["train"]]
+    fast = [r["loss"] for r in read_metrics(tmp_path / "fast")["train"]]
+    eager = [r["loss"] for r in read_metrics(tmp_path / "eager")["train"]]
     assert len(fast) == len(eager) == 4
     assert fast[0] == pytest.approx(eager[0], rel=2e-2)
     assert fast == pytest.approx(eager, rel=1e-1)

@@ -14,7 +14,9 @@ from helpers import load_script
 from helpers_train import train_inputs
 from safetensors.torch import load_file
 
-from eagle3_train import train as T
+from eagle3_train.train import run
+from eagle3_train.train.checkpoint import checkpoints
+from eagle3_train.train.metrics import read_metrics
 from eagle3_train.vllm_server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,12 +49,12 @@ def torchrun(inputs, out, *extra) -> None:
 def accumulated(inputs):
     """One process, two batches per step (what two DDP ranks see together)."""
     out = inputs["root"] / "accum"
-    T.run(stage.parse_args(argv(inputs, out, "--grad-accum", "2", "--threads", "1")))
+    run(stage.config(argv(inputs, out, "--grad-accum", "2", "--threads", "1")))
     return out
 
 
 def same_trajectory(a: Path, b: Path, rtol: float) -> None:
-    ma, mb = T.read_metrics(a), T.read_metrics(b)
+    ma, mb = read_metrics(a), read_metrics(b)
     assert [r["step"] for r in ma["train"]] == [r["step"] for r in mb["train"]]
     for x, y in zip(ma["train"], mb["train"]):
         assert x["tokens"] == y["tokens"]  # the same batches
@@ -72,9 +74,9 @@ def test_ddp_two_processes_match_gradient_accumulation(inputs, accumulated):
     out = inputs["root"] / "ddp"
     torchrun(inputs, out)
     same_trajectory(accumulated, out, rtol=1e-4)
-    man = T.read_metrics(out)
-    assert len(man["train"]) >= 2 and T.checkpoints(out)
-    assert sorted(p.name for p in (T.checkpoints(out)[-1][1] / "rng").iterdir()) == \
+    man = read_metrics(out)
+    assert len(man["train"]) >= 2 and checkpoints(out)
+    assert sorted(p.name for p in (checkpoints(out)[-1][1] / "rng").iterdir()) == \
         ["rank-00000.pt", "rank-00001.pt"]
 
 

@@ -18,7 +18,8 @@ from helpers import load_script
 from helpers_train import train_inputs
 from safetensors.torch import load_file
 
-from eagle3_train import train as T
+from eagle3_train.train import run
+from eagle3_train.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "eagle3-train" / "04_train.py"
@@ -40,13 +41,13 @@ def argv(inputs, out):
 @pytest.fixture(scope="module")
 def reference(inputs):
     out = inputs["root"] / "reference"
-    T.run(stage.parse_args(argv(inputs, out)))
+    run(stage.config(argv(inputs, out)))
     return out
 
 
 def steps_logged(out: Path) -> int:
     try:
-        return max((r["step"] for r in T.read_metrics(out).get("train", [])), default=0)
+        return max((r["step"] for r in read_metrics(out).get("train", [])), default=0)
     except Exception:  # a line being written
         return 0
 
@@ -66,8 +67,8 @@ def kill_then_resume(inputs, reference, out: Path, kill_after_step: int, extra_d
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert not (out / "manifest.json").exists()
-    T.run(stage.parse_args(argv(inputs, out)))
-    ref, got = T.read_metrics(reference), T.read_metrics(out)
+    run(stage.config(argv(inputs, out)))
+    ref, got = read_metrics(reference), read_metrics(out)
     assert [r["step"] for r in got["train"]] == [r["step"] for r in ref["train"]]
     for a, b in zip(ref["train"], got["train"]):
         assert (a["loss"], a["loss_by_step"]) == (b["loss"], b["loss_by_step"])
@@ -79,7 +80,7 @@ def kill_then_resume(inputs, reference, out: Path, kill_after_step: int, extra_d
 
 
 def test_sigkill_mid_run_then_rerun_matches_uninterrupted(inputs, reference, tmp_path):
-    total = max(r["step"] for r in T.read_metrics(reference)["train"])
+    total = max(r["step"] for r in read_metrics(reference)["train"])
     kill_then_resume(inputs, reference, tmp_path / "run", kill_after_step=min(4, total - 1), extra_delay=0.02)
 
 
@@ -87,6 +88,6 @@ def test_sigkill_mid_run_then_rerun_matches_uninterrupted(inputs, reference, tmp
 @pytest.mark.parametrize("trial", range(10))
 def test_sigkill_sweep(inputs, reference, tmp_path, trial):
     rng = random.Random(trial)
-    total = max(r["step"] for r in T.read_metrics(reference)["train"])
+    total = max(r["step"] for r in read_metrics(reference)["train"])
     kill_then_resume(inputs, reference, tmp_path / "run", kill_after_step=rng.randint(1, total - 1),
                      extra_delay=rng.random() * 0.3)

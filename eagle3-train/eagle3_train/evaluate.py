@@ -96,7 +96,7 @@ def describe_draft(draft_dir: Path) -> dict:
             out["manifest"] = {"path": str(m.resolve()), "stage": man.get("stage")}
             break
     else:
-        from .train import RUN
+        from .train.rerun import RUN
 
         if (draft_dir.parent / RUN).exists():  # a 04 run directory: its export counts only once it finished
             raise PipelineError(f"{draft_dir} belongs to the 04 run {draft_dir.parent}, which did not finish "
@@ -234,7 +234,7 @@ def draft_step_tokens(model, samples: list, k: int) -> list[list[torch.Tensor]]:
 def offline_eval(model, head, store, ids: Sequence[str], k: int, *,
                  tokens_per_batch: int = 4096, log_path: Path | None = None) -> dict:
     """Chain acceptance of the draft against the target's greedy tokens over `ids`."""
-    from .train import read_sample  # the same damaged-shard / NaN checks as training
+    from .hidden_checks import read_sample  # the same damaged-shard / NaN checks as training
 
     lengths = {sid: store.length(sid) for sid in ids}
     stats, tokens, same, supervised = [], 0, 0, 0

@@ -373,6 +373,9 @@ class HiddenStates:
     def length(self, sid: str) -> int:
         return self._where[sid][2]
 
+    def shard_of(self, sid: str) -> str:
+        return self._where.get(sid, ("?",))[0]
+
     def _file(self, shard: str):
         if shard in self._open:
             self._open.move_to_end(shard)

@@ -1,0 +1,19 @@
+"""04_train as a package: `run(TrainConfig.from_args(args))`.
+
+  config.py      TrainConfig: every setting, validated once, which may change on resume
+  rerun.py       run.json: is the directory's run this run (resume), another (refuse / --overwrite)
+  inputs.py      the store, mapping and target, checked to belong together; their identity
+  data.py        the by-id split, packing, collation, the plan of batches per step
+  model.py       the draft made from the config, the target head, the objective as processes share it
+  objective.py   the TTT forward KL; forward returns (draft tokens, loss, metrics)
+  dist.py        processes and devices; DDP / FSDP wrapping
+  checkpoint.py  Checkpointer: interval, keep-last, atomic save with COMPLETE, load, relog
+  metrics.py     Meter (sums per interval), Recorder (metrics.jsonl + progress), curves
+  loop.py        run() and the Trainer: train, train_step, validate, save
+  export.py      the speculators-format export and the manifest
+"""
+
+from .config import STAGE, TrainConfig
+from .loop import run
+
+__all__ = ["STAGE", "TrainConfig", "run"]

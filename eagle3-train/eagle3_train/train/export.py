@@ -1,0 +1,67 @@
+"""04's last act: export the chosen checkpoint in the speculators format vLLM serves, draw the
+curves, write the manifest (the run counts as finished only from then on)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..draft import export_draft, load_target_weights
+from ..manifest import describe_target, write_manifest
+from .config import STAGE
+from .metrics import METRICS, plot_curves, read_metrics
+from .model import make_draft
+
+EXPORT = "export"
+
+
+def export(trainer, identity: dict) -> dict:
+    """The best checkpoint by validation acceptance (or the last, --export-from last); every rank
+    calls it, rank 0 writes and returns the manifest."""
+    from ..vocab import SPLIT
+
+    config, d, plan, out, model = trainer.config, trainer.d, trainer.plan, trainer.out, trainer.model
+    step, best = trainer.step, trainer.best
+    pick = best["step"] if config.export_from == "best" and best["step"] else step
+    valid = trainer.checkpointer.valid()
+    if pick != step and pick in valid:
+        trainer.checkpointer.load_weights(model.objective, pick)
+    sharded = d.world > 1 and config.distributed == "fsdp"
+    full = None
+    if sharded:  # gathering the full state is a collective: every rank takes part
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model.objective, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    result = {}
+    if d.main:
+        draft = unsharded_draft(trainer, full) if sharded else model.draft.to("cpu").float()
+        info = {"step": pick, "best": best, "total_steps": trainer.total_steps, **model.kernels,
+                "args": config.record()}
+        export_draft(draft, out / EXPORT, extra=info)
+        curves = plot_curves(out)
+        result = write_manifest(
+            out, STAGE, config=config.record(), inputs=identity,
+            outputs={"export": str((out / EXPORT).resolve()), "checkpoint": str(valid.get(pick, "")),
+                     "curves": str(curves) if curves else None, "metrics": str(out / METRICS)},
+            counts={"steps": trainer.total_steps, "exported_step": pick, "train_samples": len(plan.train),
+                    "val_samples": len(plan.val), "dropped_short": plan.dropped, "cut_long": plan.cut},
+            split={"rule": SPLIT.replace("heldout_fraction", "val_fraction"), "val_fraction": config.val_fraction,
+                   "val_ids": sorted(plan.val)},
+            best=best, final_val=(read_metrics(out).get("val") or [None])[-1],
+            target=describe_target(trainer.inp.target_cfg, config.target),
+            tokenizer=trainer.inp.store.manifest.get("tokenizer"), layer_ids=trainer.inp.aux_ids,
+            draft={"arch": config.draft_arch, "hidden_size": draft.config.transformer_layer_config.hidden_size,
+                   "target_hidden_size": draft.config.target_hidden_size,
+                   "draft_vocab_size": draft.config.draft_vocab_size})
+        print(f"exported step {pick} to {out / EXPORT}"
+              + (f" (validation AL {best['acceptance_length']:.3f} with {config.ttt_steps} draft tokens)"
+                 if best["acceptance_length"] else ""))
+    d.barrier()
+    return result
+
+
+def unsharded_draft(trainer, full_state: dict):
+    """Under FSDP the live draft is sharded; rank 0 makes a plain one from the full state."""
+    draft = make_draft(trainer.config, trainer.inp, load_target_weights(trainer.inp.target))
+    draft.load_state_dict({k.removeprefix("draft."): v for k, v in full_state.items() if k.startswith("draft.")},
+                          strict=False)
+    return draft.float()

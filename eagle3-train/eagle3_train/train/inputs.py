@@ -1,0 +1,78 @@
+"""04's inputs: 02's hidden-state store, 03's vocab mapping and the target, checked to belong
+together before any work, and what identifies them for a resume."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import PipelineError
+from ..hidden_checks import check_shards, read_sample
+from ..manifest import describe_target, manifest_identity, require_match, text_config
+from .config import TrainConfig
+
+TARGET_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
+
+
+@dataclass
+class Inputs:
+    store: object  # hidden_store.HiddenStates
+    mapping: object  # vocab.VocabMapping
+    target: str  # as the export's verifier.name_or_path records it (a local path made absolute)
+    target_cfg: object
+    aux_ids: list[int]  # what the draft reads (a subset of the store's)
+    aux_index: list[int]  # their positions in the store's aux axis
+    topk: bool  # the store keeps the target's top-k instead of its last hidden state
+
+
+def target_identity(desc: dict | None) -> dict:
+    return {k: (desc or {}).get(k) for k in TARGET_KEYS}
+
+
+def open_inputs(config: TrainConfig, dtype: torch.dtype = torch.float32) -> Inputs:
+    from .. import vocab
+    from ..hidden_store import HiddenStates
+
+    store = HiddenStates(Path(config.hidden_states), dtype=dtype)
+    mapping = vocab.read_mapping(Path(config.vocab_mapping))
+    target_cfg = vocab.load_target_config(config.target)
+    tc = text_config(target_cfg)
+    ours = target_identity(describe_target(target_cfg, config.target))
+    sm, mm = store.manifest, mapping.manifest
+    require_match("target model", ours, target_identity(sm.get("target")), source=str(store.directory))
+    require_match("target model", ours, target_identity(mm.get("target")), source=str(config.vocab_mapping))
+    fp = lambda m: (m.get("tokenizer") or {}).get("fingerprint")  # noqa: E731
+    if fp(sm) != fp(mm):
+        raise PipelineError(f"tokenizer fingerprint mismatch: {store.directory} was made with "
+                            f"{fp(sm)!r}, but {config.vocab_mapping} with {fp(mm)!r}")
+    require_match("target vocab size", tc.vocab_size, int(mapping.target_vocab_size),
+                  source=str(config.vocab_mapping))
+    require_match("hidden size", tc.hidden_size, store.hidden_size, source=str(store.directory))
+    layer_ids = store.layer_ids
+    require_match("last layer id", tc.num_hidden_layers, layer_ids[-1], source=str(store.directory))
+    stored_aux = list(sm.get("aux_layer_ids") or layer_ids[:-1])
+    aux_ids = list(config.aux_layer_ids) if config.aux_layer_ids else stored_aux
+    missing = [i for i in aux_ids if i not in stored_aux]
+    if missing:
+        raise PipelineError(f"layer ids mismatch: {store.directory} holds aux layers {stored_aux}, "
+                            f"but the draft config asks for {aux_ids}")
+    if not store.ids:
+        raise PipelineError(f"{store.directory} holds no samples")
+    check_shards(store.directory)
+    first = read_sample(store, store.ids[0])
+    if first.last is None and first.topk_ids is None:
+        raise PipelineError(f"{store.directory} has neither last hidden states nor top-k targets")
+    topk = first.last is None  # 02's compact option keeps the target's top-k instead
+    target = str(Path(config.target).resolve()) if Path(config.target).exists() else config.target
+    return Inputs(store, mapping, target, target_cfg, aux_ids, [stored_aux.index(i) for i in aux_ids], topk)
+
+
+def input_identity(inp: Inputs, vocab_mapping: str) -> dict:
+    """What a resumed run must find again: the inputs' manifests (by content) and the target."""
+    def manifest(d):
+        return {"manifest_identity": manifest_identity(d)}
+
+    return {"hidden_states": manifest(inp.store.directory), "vocab_mapping": manifest(vocab_mapping),
+            "target": target_identity(describe_target(inp.target_cfg, inp.target))}

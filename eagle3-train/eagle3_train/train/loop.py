@@ -1,0 +1,222 @@
+"""04's run: train (or resume) the draft, validate and checkpoint at intervals, export the best.
+
+One optimizer step consumes `world_size x grad_accum` packed batches (data.py). The run directory:
+  run.json                   the config + input identities (a rerun must match, or --overwrite)
+  checkpoints/step-XXXXXXX/  see checkpoint.py (valid only with COMPLETE)
+  metrics.jsonl              see metrics.Recorder
+  progress.log, curves.png, export/ (speculators format), manifest.json (written last)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ..draft import lr_lambda
+from ..manifest import MANIFEST, read_manifest
+from ..progress import Progress
+from .checkpoint import Checkpointer
+from .config import STAGE, TrainConfig
+from .data import Loader, make_plan
+from .dist import Dist, setup_dist
+from .inputs import Inputs, input_identity, open_inputs
+from .metrics import Meter, Recorder
+from .model import build_model
+from .objective import batch_metrics, combine, prepare
+from .rerun import open_run_dir
+
+
+def run(config: TrainConfig, *, on_step: Callable[[int], None] | None = None) -> dict:
+    """Train (or resume), validate, checkpoint, export; 04's manifest. Every process of a
+    torchrun calls it; `on_step(step)` after each step is how tests interrupt a run."""
+    from ..store import DirLock
+    from .export import export
+
+    d = setup_dist(config.device)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    out = Path(config.output_dir)
+    inp = open_inputs(config, d.dtype)
+    identity = input_identity(inp, config.vocab_mapping)
+    with DirLock(out, STAGE) if d.main else contextlib.nullcontext():
+        if d.main:
+            open_run_dir(out, config, identity)
+        d.barrier()
+        try:
+            if (out / MANIFEST).exists():  # finished: rerunning its command does nothing
+                return finished(out, d)
+            trainer = Trainer(config, d, inp, out)
+            trainer.train(on_step)
+            return export(trainer, identity)
+        finally:
+            d.close()
+
+
+def finished(out: Path, d: Dist) -> dict:
+    man = read_manifest(out, STAGE)
+    if d.main and (out / "export" / "config.json").exists():
+        print(f"{out} is complete (step {man['counts'].get('steps')}); export: {out / 'export'}")
+    return man
+
+
+class Trainer:
+    """Everything a run holds: the data plan, model, optimizer, checkpointer and recorder."""
+
+    def __init__(self, config: TrainConfig, d: Dist, inp: Inputs, out: Path):
+        self.config, self.d, self.inp, self.out = config, d, inp, out
+        self.plan = make_plan(inp.store, config, d.world * config.grad_accum)
+        self.total_steps = min(config.max_steps or self.plan.total_steps, self.plan.total_steps)
+        self.model = build_model(config, inp, d)
+        self.optimizer = torch.optim.AdamW(self.model.parameters, lr=config.lr, betas=(config.beta1, config.beta2),
+                                           weight_decay=config.weight_decay, eps=1e-8, fused=d.cuda or None)
+        warmup = config.warmup_steps if config.warmup_steps is not None else int(config.warmup_ratio * self.total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(
+            lr_lambda, warmup=warmup, total=self.total_steps, schedule=config.schedule, min_ratio=config.min_lr_ratio))
+        self.loader = Loader(inp.store, self.plan, config, inp.aux_index, d.rank, d.world, self.model.kernels["attn"])
+        self.checkpointer = Checkpointer(out, d, interval=config.save_every, keep_last=config.keep_last)
+        self.best = {"step": None, "acceptance_length": None}  # by validation acceptance
+        self.step = 0
+
+    def train(self, on_step: Callable[[int], None] | None = None) -> None:
+        config, d, total_steps = self.config, self.d, self.total_steps
+        # Resume from the last complete checkpoint: weights, optimizer, scheduler, RNG, the
+        # metric sums of the interval it was in, and the data position (= the step).
+        meter = Meter(config.ttt_steps, self.resume())
+        progress = Progress(STAGE, total_steps, initial=self.step, log_path=self.out / "progress.log" if d.main else None,
+                            every_s=config.progress_every, unit="step", disable=not d.main or config.quiet)
+        self.recorder = recorder = Recorder(self.out, d.main, progress)
+        if self.checkpointer.resumed_from:
+            recorder.write({"kind": "resume", "step": self.step, "from": self.checkpointer.resumed_from.name,
+                            "time": time.time()})
+            self.checkpointer.relog(self.step, recorder)
+        self.announce()
+        # The next step's batches load in a thread while this one trains.
+        prefetch = ThreadPoolExecutor(1)
+        upcoming = prefetch.submit(self.loader.step, self.step) if self.step < total_steps else None
+        self.model.objective.train()
+        try:
+            while self.step < total_steps:
+                micro_batches = upcoming.result()
+                if self.step + 1 < total_steps:
+                    upcoming = prefetch.submit(self.loader.step, self.step + 1)
+                loss, metrics, grad_norm, lr = self.train_step(micro_batches)
+                self.step += 1
+                meter.add(loss, metrics, grad_norm)
+                recorder.step(loss, lr, metrics["tokens"])
+                if self.step % config.log_every == 0 or self.step == total_steps:
+                    # Summed over processes: every rank takes part, rank 0 writes.
+                    recorder.train(self.step, self.plan.locate(self.step - 1)[0], lr, meter.reduce(d))
+                    meter = Meter(config.ttt_steps)
+                if self.checkpointer.should_save(self.step, last_step=total_steps):
+                    self.validate_and_save(meter)
+                if on_step is not None:
+                    on_step(self.step)
+        finally:
+            prefetch.shutdown(wait=True, cancel_futures=True)
+            recorder.close("finished" if self.step >= total_steps else f"stopped at step {self.step}")
+
+    def resume(self) -> dict | None:
+        """Load the last checkpoint, if any (its meter sums returned); else seed a fresh run."""
+        state = self.checkpointer.load(self.model.objective, self.optimizer)
+        if state is None:
+            torch.manual_seed(self.config.seed)
+            return None
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.best = state["step"], state["best"]
+        if state.get("per_step") != self.plan.per_step and self.d.main:
+            print(f"note: {self.checkpointer.resumed_from.name} was made with {state.get('per_step')} batches "
+                  f"per step, this run uses {self.plan.per_step}; the data order from here differs from the "
+                  "original run")
+        return state.get("meter")
+
+    def train_step(self, micro_batches: list) -> tuple[float, dict, float, float]:
+        """One optimizer step over this process's micro-batches (gradients averaged over them,
+        and over processes by DDP/FSDP): (mean loss, metrics, gradient norm, the lr it used)."""
+        model, d = self.model, self.d
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, parts = 0.0, []
+        for i, batch in enumerate(micro_batches):
+            # Targets from the frozen head outside the wrapped model: DDP never broadcasts it.
+            batch = prepare(batch.to(d.device, d.dtype), model.head, self.config.ttt_steps)
+            with model.sync(last=i + 1 == len(micro_batches)):
+                with d.autocast():
+                    draft_tokens, batch_loss, metrics = model.wrapped(batch)
+                (batch_loss / len(micro_batches)).backward()
+            loss += float(batch_loss.detach()) / len(micro_batches)
+            parts.append(batch_metrics(batch, draft_tokens, metrics, model.to_target))
+        grad_norm = clip_grad_norm(model.parameters, self.config.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss, combine(parts), grad_norm, lr
+
+    def validate(self) -> dict | None:
+        """Over this rank's share of the fixed validation batches, summed over ranks. Every rank
+        runs the same number of forwards (FSDP gathers weights in each), the extra ones on a
+        repeated batch that is not counted. Batches load one at a time (a long held-out set of
+        a large target does not fit on the device at once)."""
+        if not self.plan.val:
+            return None
+        model, d, batches = self.model, self.d, self.loader.val_batches
+        meter = Meter(self.config.ttt_steps)
+        mine = batches[d.rank::d.world]
+        model.objective.eval()
+        with torch.no_grad():
+            for i in range(-(-len(batches) // d.world)):
+                batch = self.loader.collate(mine[i] if i < len(mine) else batches[0]).to(d.device, d.dtype)
+                batch = prepare(batch, model.head, self.config.ttt_steps)
+                with d.autocast():
+                    draft_tokens, loss, metrics = model.wrapped(batch)
+                if i < len(mine):
+                    meter.add(float(loss), batch_metrics(batch, draft_tokens, metrics, model.to_target))
+        model.objective.train()
+        return meter.reduce(d)
+
+    def validate_and_save(self, meter: Meter) -> None:
+        """Validate, keep the best, checkpoint (the best is never pruned)."""
+        val = self.validate()
+        if val is not None and better(val, self.best):
+            self.best = {"step": self.step, "acceptance_length": val["acceptance_length"], "loss": val["loss"]}
+        epoch, in_epoch = self.plan.locate(self.step)
+        position = {"epoch": epoch, "batches_in_epoch": in_epoch * self.plan.per_step}
+        state = {"step": self.step, "best": self.best, "scheduler": self.scheduler.state_dict(), "meter": meter.s,
+                 "per_step": self.plan.per_step, **position}
+        summary = {"step": self.step, **position, "total_steps": self.total_steps, "val": val, "best": self.best,
+                   "world_size": self.d.world, "time": time.time()}
+        path = self.checkpointer.save(self.step, self.model.objective, self.optimizer, state, summary,
+                                      {self.best["step"]} if self.best["step"] else set())
+        self.recorder.checkpoint(self.step, path, val)
+
+    def announce(self) -> None:
+        if not self.d.main:
+            return
+        plan, model = self.plan, self.model
+        print(f"{STAGE}: {len(plan.train)} train / {len(plan.val)} val samples ({plan.dropped} too short, "
+              f"{plan.cut} cut to --max-tokens-per-batch), {plan.steps_in(0)} steps/epoch x "
+              f"{self.config.epochs} epochs -> {self.total_steps} steps; "
+              f"{sum(p.numel() for p in model.parameters):,} trainable parameters; device {self.d.device} "
+              f"x{self.d.world}; attention {model.kernels['attn']}, loss {model.kernels['loss_impl']}; "
+              f"{'top-k' if self.inp.topk else 'hidden-state'} targets"
+              + (f"; resuming at step {self.step}" if self.step else ""))
+
+
+def better(val: dict, best: dict) -> bool:
+    """Higher estimated acceptance wins; on a tie, the lower validation loss."""
+    if best.get("acceptance_length") is None:
+        return True
+    if val["acceptance_length"] != best["acceptance_length"]:
+        return val["acceptance_length"] > best["acceptance_length"]
+    return val["loss"] < best.get("loss", float("inf"))
+
+
+def clip_grad_norm(params, clip: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
+        norm = norm.full_tensor()
+    return float(norm)

@@ -1,0 +1,153 @@
+"""04's metrics: sums over a log interval (checkpointed, so a resumed run logs what the
+uninterrupted one did), metrics.jsonl read back by kind, and the training curves."""
+
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+
+import torch
+
+from ..acceptance import merge, summarize
+from ..progress import Progress
+from ..store import JsonlWriter, atomic_write_bytes, read_jsonl
+
+METRICS = "metrics.jsonl"
+
+
+class Meter:
+    """Sums over a log interval (or a validation pass); plain numbers so they can be checkpointed."""
+
+    def __init__(self, steps: int, state: dict | None = None):
+        self.steps = steps
+        self.s = state or {"loss": 0.0, "n": 0, "loss_sum": [0.0] * steps, "loss_cnt": [0.0] * steps,
+                           "tokens": 0, "chain": None, "grad_norm": 0.0}
+
+    def add(self, loss: float, metrics: dict, grad_norm: float = 0.0) -> None:
+        """One step (or validation batch): its mean loss, the objective's metrics (see
+        objective.batch_metrics) and the gradient norm."""
+        s = self.s
+        s["loss"] += loss
+        s["n"] += 1
+        s["loss_sum"] = [a + b for a, b in zip(s["loss_sum"], metrics["loss_sum"].tolist())]
+        s["loss_cnt"] = [a + b for a, b in zip(s["loss_cnt"], metrics["loss_cnt"].tolist())]
+        s["tokens"] += metrics["tokens"]
+        s["chain"] = metrics["chain"] if s["chain"] is None else merge([s["chain"], metrics["chain"]])
+        s["grad_norm"] += grad_norm
+
+    def reduce(self, d) -> dict:
+        """Sums over ranks (every rank must call it)."""
+        s = self.s
+        chain = s["chain"] or {"drafts": 0, "accepted": 0, "tried": [0] * self.steps, "hits": [0] * self.steps}
+        flat = [s["loss"], s["n"], s["tokens"], s["grad_norm"], chain["drafts"], chain["accepted"],
+                *s["loss_sum"], *s["loss_cnt"], *chain["tried"], *chain["hits"]]
+        t = d.sum(torch.tensor(flat, dtype=torch.float64, device=d.device)).tolist()
+        k = self.steps
+        loss, n, tokens, gn, drafts, acc = t[:6]
+        ls, lc, tried, hits = t[6:6 + k], t[6 + k:6 + 2 * k], t[6 + 2 * k:6 + 3 * k], t[6 + 3 * k:6 + 4 * k]
+        rates = summarize({"drafts": int(drafts), "accepted": int(acc), "tried": [int(x) for x in tried],
+                           "hits": [int(x) for x in hits]})
+        return {"loss": loss / max(n, 1), "loss_by_step": [a / b if b else None for a, b in zip(ls, lc)],
+                "acc_cond": rates["conditional"], "acc_cum": rates["cumulative"],
+                "acceptance_length": rates["acceptance_length"],
+                "al_by_depth": [1 + sum(rates["cumulative"][: i + 1]) for i in range(k)],
+                "drafts": int(drafts), "tokens": int(tokens), "grad_norm": gn / max(n, 1)}
+
+
+class Recorder:
+    """Where a run's numbers go: metrics.jsonl records (train / val / checkpoint / resume; the last
+    record of a kind and step wins, so steps redone after a resume are logged again), the progress
+    bar and progress.log. Only rank 0 writes; every call is safe on every rank."""
+
+    def __init__(self, run_dir: Path, main: bool, progress: Progress):
+        self.log = JsonlWriter(Path(run_dir) / METRICS) if main else None
+        self.progress = progress
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """Throughput counts training only: the clock restarts after logging and checkpointing."""
+        self.since, self.cpu_since = time.monotonic(), time.process_time()
+
+    def write(self, record: dict) -> None:
+        if self.log:
+            self.log.write(record)
+
+    def step(self, loss: float, lr: float, tokens: int) -> None:
+        self.progress.update(1, tokens=tokens, loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+
+    def train(self, step: int, epoch: int, lr: float, totals: dict) -> None:
+        """One train record from a log interval's totals (Meter.reduce)."""
+        tokens_per_s = totals["tokens"] / max(time.monotonic() - self.since, 1e-9)
+        self.write({"kind": "train", "step": step, "epoch": epoch, "lr": lr,
+                    **{k: totals[k] for k in ("loss", "loss_by_step", "acc_cond", "acc_cum",
+                                              "acceptance_length", "tokens", "grad_norm")},
+                    "tokens_per_s": tokens_per_s, "cpu_s": time.process_time() - self.cpu_since,
+                    "time": time.time()})
+        if self.log:
+            self.progress.update(0, al=f"{totals['acceptance_length']:.2f}",
+                                 acc0=f"{totals['acc_cum'][0]:.2f}", tok_s=f"{tokens_per_s:.0f}")
+        self.restart_clock()
+
+    def checkpoint(self, step: int, path: Path, val: dict | None) -> None:
+        if val is not None:
+            self.write({"kind": "val", "step": step, **val, "time": time.time()})
+            if self.log:
+                self.progress.update(0, val_al=f"{val['acceptance_length']:.2f}")
+        self.write({"kind": "checkpoint", "step": step, "path": str(path), "time": time.time()})
+        self.restart_clock()
+
+    def close(self, note: str) -> None:
+        self.progress.close(note)
+        if self.log:
+            self.log.close()
+
+
+def read_metrics(run_dir: Path) -> dict[str, list[dict]]:
+    """metrics.jsonl by kind, one record per step (the last one written wins)."""
+    out: dict[str, dict[int, dict]] = {}
+    for rec in read_jsonl(Path(run_dir) / METRICS):
+        out.setdefault(rec.get("kind", "?"), {})[rec.get("step", -1)] = rec
+    return {k: [v[s] for s in sorted(v)] for k, v in out.items()}
+
+
+def plot_curves(run_dir: Path) -> Path | None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    m = read_metrics(run_dir)
+    train, val = m.get("train", []), m.get("val", [])
+    if not train:
+        return None
+    fig = Figure(figsize=(11, 7.5), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2)
+    steps = [r["step"] for r in train]
+    k = len(train[0]["loss_by_step"])
+    for i in range(k):
+        axes[0, 0].plot(steps, [r["loss_by_step"][i] for r in train], label=f"TTT step {i}", lw=1)
+    axes[0, 0].set_title("train loss (forward KL) per TTT step")
+    axes[0, 0].set_yscale("log")
+    axes[0, 0].legend(fontsize=7)
+    for i in range(k):
+        axes[0, 1].plot(steps, [r["acc_cum"][i] for r in train], label=f"pos {i}", lw=1)
+    axes[0, 1].set_title("train cumulative accuracy per draft position")
+    axes[0, 1].legend(fontsize=7)
+    if val:
+        vs = [r["step"] for r in val]
+        axes[1, 0].plot(vs, [r["acceptance_length"] for r in val], "o-", label=f"AL, {k} tokens")
+        axes[1, 0].plot(vs, [r["al_by_depth"][min(2, k - 1)] for r in val], "s--",
+                        label=f"AL, {min(3, k)} tokens")
+        axes[1, 0].legend(fontsize=7)
+    axes[1, 0].set_title("validation: estimated acceptance length")
+    axes[1, 1].plot(steps, [r["lr"] for r in train])
+    axes[1, 1].set_title("learning rate")
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    path = Path(run_dir) / "curves.png"
+    atomic_write_bytes(path, buf.getvalue())
+    return path

@@ -1,0 +1,69 @@
+"""What 04 trains: the draft (made from the config in one place), the target's frozen head that
+gives the targets, and the objective around the draft as the processes share it."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import draft as D
+from .config import TrainConfig
+from .dist import Dist, wrap
+from .inputs import Inputs
+from .objective import Objective
+
+ATTN_IMPL = {"flex": "simple_flex_attention", "sdpa": "sdpa", "eager": "eager"}
+
+
+def make_draft(config: TrainConfig, inp: Inputs, weights: dict, attn: str = "sdpa"):
+    """A fresh draft for the target, shaped by the config (weights: D.load_target_weights)."""
+    return D.build_draft(inp.target, inp.target_cfg, aux_layer_ids=inp.aux_ids,
+                         d2t=torch.from_numpy(inp.mapping.d2t).long(), t2d=torch.from_numpy(inp.mapping.t2d).bool(),
+                         weights=weights, arch=config.draft_arch, hidden_size=config.draft_hidden_size,
+                         intermediate_size=config.draft_intermediate_size, num_layers=config.draft_layers,
+                         num_heads=config.draft_heads, num_kv_heads=config.draft_kv_heads,
+                         norm_before_residual=config.norm_before_residual,
+                         speculative_tokens=config.num_speculative_tokens,
+                         train_embeddings=config.train_embeddings, train_lm_head=config.train_lm_head,
+                         attn_impl=ATTN_IMPL[attn], seed=config.seed)
+
+
+@dataclass
+class TrainModel:
+    draft: nn.Module  # speculators' Eagle3DraftModel
+    head: D.TargetHead | None  # the target's norm + lm_head (None: the store keeps top-k targets)
+    objective: Objective  # the draft + its loss, what is checkpointed
+    wrapped: nn.Module  # the objective as the processes run it (itself, DDP or FSDP)
+    kernels: dict  # {"attn": ..., "loss_impl": ...} as resolved for this device
+    to_target: object  # draft-vocab ids -> target-vocab ids
+
+    def __post_init__(self):
+        # After wrapping: FSDP replaces the parameters with sharded ones.
+        self.parameters = [p for p in self.objective.parameters() if p.requires_grad]
+
+    def sync(self, last: bool):
+        """DDP all-reduces gradients on a step's last micro-batch only."""
+        return contextlib.nullcontext() if last or not hasattr(self.wrapped, "no_sync") else self.wrapped.no_sync()
+
+
+def build_model(config: TrainConfig, inp: Inputs, d: Dist) -> TrainModel:
+    kernels = config.kernels(d.cuda)
+    if kernels["attn"] == "flex":
+        D.use_compiled_flex()
+    weights = D.load_target_weights(inp.target)
+    draft = make_draft(config, inp, weights, kernels["attn"])
+    t2d = torch.from_numpy(inp.mapping.t2d).bool()
+    draft_ids = t2d.nonzero().squeeze(1) if draft.use_draft_vocab else None
+    head = None if inp.topk else D.target_head(inp.target_cfg, weights, draft_ids, d.device, d.dtype)
+    tgt2draft = None
+    if inp.topk and draft.use_draft_vocab:  # top-k ids are target ids: where each sits in the draft vocab
+        tgt2draft = torch.full((t2d.shape[0],), -1, dtype=torch.long)
+        tgt2draft[draft_ids] = torch.arange(draft_ids.shape[0])
+    del weights
+    objective = Objective(draft, config.ttt_steps, config.step_weights, kernels["loss_impl"], inp.topk,
+                          tgt2draft).to(d.device)
+    to_target = D.draft_to_target(draft)
+    return TrainModel(draft, head, objective, wrap(objective, config.distributed, d), kernels, to_target)

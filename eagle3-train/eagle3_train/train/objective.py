@@ -1,0 +1,127 @@
+"""04's objective: the draft unrolled for `ttt_steps` (training-time test) with a forward KL to
+the target's distribution per step. Its forward returns (draft tokens, loss, metrics), so the loop
+that calls it stays generic; acceptance is counted by the shared accounting of acceptance.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..acceptance import chain_acceptance, draft_correctness, merge
+from ..draft import head, unroll
+from .data import Batch
+
+
+def alignment(b: Batch, steps: int) -> torch.Tensor:
+    """valid [K, T]: step k drafting at unshifted t has a supervised target token t+1+k in the same
+    document (the shared acceptance accounting decides; predictions do not matter here)."""
+    dummy = [b.full_ids] * steps
+    return draft_correctness(dummy, b.full_ids, b.full_mask, b.full_ids, b.full_doc)[1]
+
+
+class Objective(nn.Module):
+    """The draft plus its TTT loss: forward KL to the target's distribution over the draft vocab
+    (dense target logits, or the stored top-k renormalised over the draft vocab), per-step weights."""
+
+    def __init__(self, draft, steps: int, weights: list[float], loss_impl: str, topk: bool,
+                 tgt2draft: torch.Tensor | None):
+        super().__init__()
+        self.draft = draft
+        self.steps = steps
+        self.weights = weights
+        self.topk = topk
+        if tgt2draft is not None:
+            self.register_buffer("tgt2draft", tgt2draft, persistent=False)
+        else:
+            self.tgt2draft = None
+        if loss_impl == "fused":
+            from speculators.losses.utils import kl_div_loss
+        else:
+            from speculators.losses.eager import kl_div_loss
+        self.kl = kl_div_loss
+
+    def position_loss(self, logits: torch.Tensor, b: Batch, rows: torch.Tensor):
+        """Per-position forward KL [n] and which positions count [n] (top-k rows with no mass
+        inside the draft vocab do not)."""
+        if not self.topk:
+            return self.kl(logits[None], b.targets[rows][None])[0], torch.ones_like(rows, dtype=torch.bool)
+        ids = b.topk_ids[rows]
+        did = self.tgt2draft[ids] if self.tgt2draft is not None else ids
+        inside = did >= 0
+        p = torch.where(inside, b.topk_lp[rows].float().exp(), 0.0)
+        mass = p.sum(-1, keepdim=True)
+        p = p / mass.clamp_min(1e-12)
+        logq = torch.log_softmax(logits.float(), -1).gather(-1, did.clamp_min(0))
+        ent = torch.where(p > 0, p * p.clamp_min(1e-30).log(), 0.0).sum(-1)
+        return ent - (p * logq).sum(-1), mass.squeeze(-1) > 0
+
+    def forward(self, b: Batch):
+        """(per-step greedy draft ids [S] (0 where step k has no target), the weighted loss,
+        {"loss_sum": per-step loss sums [K], "loss_cnt": per-step counts [K]}). The head runs only
+        on the rows that have a target: prompt tokens and document ends cost no lm_head."""
+        total = None
+        loss_sum, loss_cnt, preds = [], [], []
+        for k, state in enumerate(unroll(self.draft, b.aux, b.ids, b.pos, b.doc, self.steps, states=True)):
+            rows = b.rows[k]
+            pred = torch.zeros(state.shape[1], dtype=torch.long, device=state.device)
+            if rows.numel():
+                lg = head(self.draft, state[0, rows])
+                per, keep = self.position_loss(lg, b, rows + k)
+                n = keep.sum()
+                s = (per * keep).sum()
+                step_loss = s / n.clamp_min(1)
+                loss_sum.append(s.detach().float())
+                loss_cnt.append(n.float())
+                pred[rows] = lg.detach().argmax(-1)
+            else:
+                step_loss = head(self.draft, state[0, :1]).sum() * 0.0  # every parameter in the graph (DDP)
+                loss_sum.append(torch.zeros((), device=state.device))
+                loss_cnt.append(torch.zeros((), device=state.device))
+            term = self.weights[k] * step_loss
+            total = term if total is None else total + term
+            preds.append(pred)
+        return preds, total, {"loss_sum": torch.stack(loss_sum), "loss_cnt": torch.stack(loss_cnt)}
+
+
+def prepare(b: Batch, target_head, steps: int) -> Batch:
+    """Targets and reference tokens from the frozen head (outside the wrapped model, so DDP never
+    broadcasts the big lm_head), and the per-step rows that carry a loss."""
+    if b.last is not None and target_head is not None:
+        b.targets, ref_s = target_head.targets(b.last)
+    else:
+        ref_s = b.topk_ids[:, 0]
+    n = b.to_full.shape[0]
+    b.ref = torch.full_like(b.full_ids, -1)
+    b.ref[b.to_full] = ref_s[:n]
+    valid = alignment(b, steps)
+    b.rows = [valid[k][b.to_full].nonzero().squeeze(1) for k in range(steps)]
+    return b
+
+
+def acceptance_stats(b: Batch, preds: list[torch.Tensor], to_target: Callable) -> dict:
+    """Chain acceptance of the draft's greedy tokens against the target's, through the shared
+    accounting (draft_correctness + chain_acceptance)."""
+    full = []
+    n = b.to_full.shape[0]
+    for p in preds:
+        f = torch.full_like(b.full_ids, -1)
+        f[b.to_full] = to_target(p[:n])
+        full.append(f)
+    correct, valid = draft_correctness(full, b.full_ids, b.full_mask, b.ref, b.full_doc)
+    return chain_acceptance(correct, valid)
+
+
+def batch_metrics(b: Batch, draft_tokens: list[torch.Tensor], metrics: dict, to_target: Callable) -> dict:
+    """One forward's numbers for the Meter: its metrics, real tokens and acceptance counts."""
+    return {**metrics, "tokens": b.tokens, "chain": acceptance_stats(b, draft_tokens, to_target)}
+
+
+def combine(parts: list[dict]) -> dict:
+    """The micro-batches of one step as one: sums, and acceptance counts merged."""
+    loss_sum, loss_cnt = parts[0]["loss_sum"], parts[0]["loss_cnt"]
+    for p in parts[1:]:
+        loss_sum, loss_cnt = loss_sum + p["loss_sum"], loss_cnt + p["loss_cnt"]
+    return {"loss_sum": loss_sum, "loss_cnt": loss_cnt, "tokens": sum(p["tokens"] for p in parts),
+            "chain": merge([p["chain"] for p in parts])}
