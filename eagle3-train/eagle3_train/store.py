@@ -38,7 +38,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         _unlink_quiet(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _umask() -> int:
@@ -65,7 +65,7 @@ def atomic_dir_commit(tmp_dir: Path, final_dir: Path) -> None:
             _rmtree(old)
         os.replace(final_dir, old)
     os.replace(tmp_dir, final_dir)
-    _fsync_dir(final_dir.parent)
+    fsync_dir(final_dir.parent)
     if old is not None:
         _rmtree(old)
 
@@ -93,7 +93,7 @@ def move_aside(directory: Path, names: Iterable[str] | None = None) -> Path | No
     dest.mkdir()
     for name in present:
         os.replace(directory / name, dest / name)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return dest
 
 
@@ -123,7 +123,8 @@ def _unlink_quiet(p) -> None:
         pass
 
 
-def _fsync_dir(d: Path) -> None:
+def fsync_dir(d: Path) -> None:
+    """Make a rename or a new file in `d` durable (best effort: some file systems refuse)."""
     try:
         fd = os.open(d, os.O_RDONLY)
     except OSError:
