@@ -164,7 +164,7 @@ def heldout_ids(store_ids: Sequence[str], draft: dict) -> tuple[list[str], str]:
         return [i for i in store_ids if i in keep], "04 manifest (held-out ids)"
     fraction = split.get("heldout_fraction", split.get("val_fraction"))
     if fraction:
-        from .vocab import is_heldout
+        from .split import is_heldout
 
         return [i for i in store_ids if is_heldout(i, float(fraction))], f"by-id split, fraction {fraction}"
     return list(store_ids), "all samples (the draft's manifest records no held-out split)"

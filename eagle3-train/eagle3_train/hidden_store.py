@@ -40,11 +40,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .config import EXTRACT
 from .errors import PipelineError
 from .manifest import read_manifest
 from .store import TMP_PREFIX, JsonlWriter, fsync_dir, atomic_write_json, read_jsonl
 
-STAGE = "02_extract_hidden_states"
+STAGE = EXTRACT
 INDEX = "index.jsonl"
 PLAN = "plan.json"
 PLAN_VERSION = 1

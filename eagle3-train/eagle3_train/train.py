@@ -118,10 +118,11 @@ def _identity(desc: dict | None) -> dict:
 def open_inputs(args, dtype: torch.dtype = torch.float32) -> Inputs:
     from . import vocab
     from .hidden_store import HiddenStates
+    from .target import load_target_config
 
     store = HiddenStates(Path(args.hidden_states), dtype=dtype)
     mapping = vocab.read_mapping(Path(args.vocab_mapping))
-    target_cfg = vocab.load_target_config(args.target)
+    target_cfg = load_target_config(args.target)
     tc = text_config(target_cfg)
     ours = _identity(describe_target(target_cfg, args.target))
     sm, mm = store.manifest, mapping.manifest
@@ -197,7 +198,7 @@ def split_ids(ids: list[str], lengths: dict[str, int], val_fraction: float,
               val_max: int | None) -> tuple[list[str], list[str], int]:
     """Fixed by-id split (03's rule, so 05 can find the held-out samples again); samples too short
     to train on (fewer than 3 tokens) are dropped and counted."""
-    from .vocab import is_heldout
+    from .split import is_heldout
 
     usable = [i for i in ids if lengths[i] >= 3]
     val = [i for i in usable if is_heldout(i, val_fraction)]
@@ -840,7 +841,7 @@ def _train(args, d: Dist, inp: Inputs, out: Path, identity: dict, on_step) -> di
     from .draft import export_draft, lr_lambda
     from .manifest import write_manifest
     from .progress import Progress
-    from .vocab import SPLIT
+    from .split import SPLIT
 
     man_path = out / MANIFEST
     if man_path.exists():
