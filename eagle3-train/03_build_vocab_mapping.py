@@ -19,6 +19,7 @@ from eagle3_train.manifest import (describe_file, describe_target, text_config, 
                                    write_manifest)
 from eagle3_train.progress import Progress
 from eagle3_train.store import DirLock, atomic_write_json, clean_temp_files
+from eagle3_train.target import load_target_config
 from eagle3_train.tokenization import ChatFormat, load_tokenizer
 
 # Settings that change the outputs: a complete output made with others is not replaced silently.
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
     if not head.strip() and len(head) < 1 << 16:
         raise PipelineError(f"{ts.path} is empty: no samples to count")
 
-    target_cfg = vocab.load_target_config(args.target)
+    target_cfg = load_target_config(args.target)
     vocab_size = text_config(target_cfg).vocab_size
     tok_name = args.tokenizer or args.target
     tok = load_tokenizer(tok_name)

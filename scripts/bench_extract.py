@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from eagle3_train import extract
+from eagle3_train.target import target_info
 from eagle3_train import hidden_store as hs
 from eagle3_train.dataset import DATA
 from eagle3_train.dataset import STAGE as TOKENIZE_STAGE
@@ -91,7 +92,7 @@ def _sync(device):
 
 def bench_target(model_dir: Path, inp: extract.InputSet, *, storage: str, device: str, dtype: torch.dtype,
                  batch_tokens: int, topk: int, rounds: int, work: Path, shard_mb: float = 1.0) -> dict:
-    info, cfg = extract.target_info(str(model_dir))
+    info, cfg = target_info(str(model_dir))
     N, H = cfg.num_hidden_layers, cfg.hidden_size
     aux = extract.default_aux_layers(N)
     target = extract.HFTarget(str(model_dir), num_layers=N, aux_ids=aux, storage=storage, topk=topk,
@@ -180,7 +181,7 @@ def main(argv=None):
         tmp = Path(tmp)
         for arch in args.arch:
             model_dir = random_target_dir(arch)
-            _, cfg = extract.target_info(str(model_dir))
+            _, cfg = target_info(str(model_dir))
             inp = make_input(tmp / f"in-{arch}", cfg.vocab_size, args.samples, args.min_len, args.max_len)
             for storage in args.storages:
                 results.append(bench_target(model_dir, inp, storage=storage, device=device, dtype=dtype,

@@ -25,16 +25,16 @@ import sys
 import time
 from pathlib import Path
 
+from eagle3_train.config import EVALUATE as EVAL_STAGE
+from eagle3_train.config import TRAIN as TRAIN_STAGE
 from eagle3_train.dataset import STAGE as TOKENIZE_STAGE
 from eagle3_train.errors import PipelineError, run_main
-from eagle3_train.evaluate import STAGE as EVAL_STAGE
 from eagle3_train.fixtures import REPO_ROOT, tiny_reasoner_dir
 from eagle3_train.generate import STAGE as GEN_STAGE
 from eagle3_train.hidden_store import STAGE as STORE_STAGE
 from eagle3_train.manifest import read_manifest
 from eagle3_train.store import atomic_write_text
 from eagle3_train.tiny import write_prompt_file
-from eagle3_train.train import STAGE as TRAIN_STAGE
 from eagle3_train.vllm_server import die_with_parent
 from eagle3_train.vocab import STAGE as VOCAB_STAGE
 
@@ -156,7 +156,7 @@ def main(argv=None):
                       "--out", d["03"], "--draft-vocab-size", 256], log)),
         ("04_train", "train the EAGLE-3 draft (1 layer, TTT 3), export it for vLLM", [(d["04"], TRAIN_STAGE)],
          lambda: run([py, STAGES / "04_train.py", "--hidden-states", d["02"], "--vocab-mapping", d["03"],
-                      "--target", target, "--out", d["04"], "--epochs", prof["epochs"], "--lr", "3e-3",
+                      "--target", target, "--output-dir", d["04"], "--epochs", prof["epochs"], "--lr", "3e-3",
                       "--ttt-steps", 3, "--num-speculative-tokens", 3, "--max-tokens-per-batch", 1024,
                       "--val-fraction", 0.1, "--save-every", 50, "--warmup-steps", 10], log)),
         ("05_evaluate", "acceptance offline, then in vLLM: eagle3 vs none vs ngram", [(d["05"], EVAL_STAGE)],

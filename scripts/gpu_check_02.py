@@ -52,11 +52,11 @@ def stage_main(argv):
 def make_set(directory: Path, model_dir: Path, n: int, lo: int, hi: int):
     from bench_extract import make_input
 
-    from eagle3_train import extract
     from eagle3_train.manifest import describe_tokenizer
+    from eagle3_train.target import target_info
     from eagle3_train.tokenization import load_tokenizer
 
-    _, cfg = extract.target_info(str(model_dir))
+    _, cfg = target_info(str(model_dir))
     tok = describe_tokenizer(load_tokenizer(str(model_dir)), str(model_dir))
     return make_input(directory, cfg.vocab_size, n, lo, hi, tokenizer=tok)
 
@@ -109,9 +109,9 @@ def check_hf(arch, model_dir, inp_dir, inp, work) -> dict:
 def bench(model_dir, name, work, samples, lo, hi, batch_tokens) -> list[dict]:
     from bench_extract import bench_target
 
-    from eagle3_train import extract
+    from eagle3_train.target import target_info
 
-    _, cfg = extract.target_info(str(model_dir))
+    _, cfg = target_info(str(model_dir))
     inp = make_set(work / f"bench-in-{name}", model_dir, samples, lo, hi)
     out = []
     for storage in ("bf16", "fp8", "fp8-topk"):

@@ -39,7 +39,7 @@ def raw_dir(tmp_path, records, complete=True):
         for r in records:
             w.write(r)
     if complete:
-        write_manifest(d, "01b", config={"model": "tiny"}, counts={"records_in_file": len(records)},
+        write_manifest(d, "01b_generate_synthetic", config={"model": "tiny"}, counts={"records_in_file": len(records)},
                        target={"model": "tiny"})
     return d
 
@@ -136,7 +136,7 @@ def test_01c_cli(tmp_path, fmt, records, k25_tokenizer_dir, capsys):
     assert run_main(main, ["--raw-dir", str(d), "--tokenizer", str(k25_tokenizer_dir), "--drop-length"]) == 0
     assert "dropped: length 1" in capsys.readouterr().out
     m = json.loads((d / "tokenized" / "manifest.json").read_text())
-    assert m["stage"] == "tokenize" and m["counts"]["samples"] == 7
+    assert m["stage"] == "01c_tokenize" and m["counts"]["samples"] == 7
     assert run_main(main, ["--raw-dir", str(tmp_path / "nope"), "--tokenizer", str(k25_tokenizer_dir)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "does not exist" in err

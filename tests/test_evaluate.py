@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3_train import evaluate as ev
+from eagle3_train.evaluate.draft import load_draft, load_target_head
+from eagle3_train.evaluate.offline import draft_step_tokens, offline_eval
+from eagle3_train.evaluate.online import spec_config, spec_counters, spec_delta
 from eagle3_train.errors import PipelineError
 from eagle3_train.hidden_store import HiddenStates
 from helpers_draft import make_greedy_store, make_random_draft
@@ -77,28 +79,28 @@ def test_target_head_greedy_is_the_targets_argmax(store_dir, llama_target_dir):
     model = AutoModelForCausalLM.from_pretrained(llama_target_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(s.input_ids[None]).logits[0]
-    assert torch.equal(ev.load_target_head(llama_target_dir).greedy(s.last), logits.argmax(-1))
+    assert torch.equal(load_target_head(llama_target_dir).greedy(s.last), logits.argmax(-1))
 
 
 def test_offline_oracle_reaches_the_maximum_and_a_misaligned_one_does_not(store_dir, llama_target_dir):
     store = HiddenStates(store_dir)
-    head = ev.load_target_head(llama_target_dir)
-    res = ev.offline_eval(Oracle(), head, store, store.ids, 3, tokens_per_batch=64)
+    head = load_target_head(llama_target_dir)
+    res = offline_eval(Oracle(), head, store, store.ids, 3, tokens_per_batch=64)
     # The data is the target's own greedy continuation, so the true tokens are the greedy ones.
     assert res["data_matches_greedy"] == 1.0
     assert res["acceptance_length"] == pytest.approx(expected_oracle_al(store, 3))
     assert res["acceptance_length"] > 3.5  # most positions can take all 3
-    off = ev.offline_eval(Oracle(shift=2), head, store, store.ids, 3)
+    off = offline_eval(Oracle(shift=2), head, store, store.ids, 3)
     assert off["acceptance_length"] < res["acceptance_length"] - 1
 
 
 def test_packing_samples_gives_the_same_proposals_as_one_by_one(store_dir, draft_dir, llama_target_dir):
     store = HiddenStates(store_dir)
-    model = ev.load_draft(draft_dir, llama_target_dir)
+    model = load_draft(draft_dir, llama_target_dir)
     samples = [store.get(i) for i in store.ids[:3]]
-    packed = ev.draft_step_tokens(model, samples, 3)
+    packed = draft_step_tokens(model, samples, 3)
     for s, p in zip(samples, packed):
-        alone = ev.draft_step_tokens(model, [s], 3)[0]
+        alone = draft_step_tokens(model, [s], 3)[0]
         for a, b in zip(p, alone):
             assert torch.equal(a, b)
         assert all(int(t.max()) < 250 for t in alone)  # mapped into the draft's target-id range
@@ -117,17 +119,17 @@ def test_load_draft_reads_04s_export_of_a_draft_narrower_than_the_target(tmp_pat
     model = dr.build_draft(str(llama_target_dir), cfg, aux_layer_ids=[2, 4, 5], d2t=d2t, t2d=t2d,
                            weights=dr.load_target_weights(llama_target_dir), hidden_size=64).eval()
     dr.export_draft(model, tmp_path / "export")
-    loaded = ev.load_draft(tmp_path / "export", llama_target_dir)
+    loaded = load_draft(tmp_path / "export", llama_target_dir)
     samples = [HiddenStates(store_dir).get(i) for i in HiddenStates(store_dir).ids[:2]]
-    got = ev.draft_step_tokens(loaded, samples, 3)
-    want = ev.draft_step_tokens(model, samples, 3)
+    got = draft_step_tokens(loaded, samples, 3)
+    want = draft_step_tokens(model, samples, 3)
     for g, w in zip(got, want):
         assert all(torch.equal(a, b) for a, b in zip(g, w))
         assert all(bool(t2d[t].all()) for t in g)  # every proposal is a draft-vocab token
 
 
 def test_spec_counters_and_delta():
-    before = ev.spec_counters({
+    before = spec_counters({
         'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"}': 10.0,
         'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"}': 123.0,
         'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"}': 30.0,
@@ -136,7 +138,7 @@ def test_spec_counters_and_delta():
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"}': 1.0,
     })
     after = {**before, "drafts": 30.0, "draft_tokens": 90.0, "accepted": 35.0, "per_pos": {0: 24.0, 1: 11.0}}
-    d = ev.spec_delta(before, after)
+    d = spec_delta(before, after)
     assert d["drafts"] == 20 and d["accepted"] == 30 and d["per_pos"] == [20, 10]
     assert d["acceptance_length"] == 2.5 and d["per_position_rate"] == [1.0, 0.5]
 
@@ -198,7 +200,7 @@ def test_05_refuses_mismatched_inputs(tmp_path, store_dir, draft_dir, llama_targ
 def eagle3_server(draft_dir, llama_target_dir, tmp_path_factory):
     from eagle3_train.vllm_server import VllmServer
 
-    spec = ev.spec_config("eagle3", draft_dir, 3, (2, 5))
+    spec = spec_config("eagle3", draft_dir, 3, (2, 5))
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     with VllmServer(llama_target_dir, speculative_config=spec, log_path=log, max_model_len=512) as srv:
         yield srv

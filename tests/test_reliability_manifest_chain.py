@@ -51,7 +51,7 @@ def test_each_manifest_records_what_it_consumed(real, k25_tokenizer, llama_targe
     assert gen["target"]["model"] == "fake" and gen["counts"]["answered"] == real["n"]
 
     tok = manifest(real["tok"])
-    assert tok["stage"] == "tokenize"
+    assert tok["stage"] == "01c_tokenize"
     assert tok["inputs"]["raw_responses"]["sha256"] == file_sha256(real["gen"] / "raw_responses.jsonl")
     assert tok["tokenizer"]["fingerprint"] == fp and tok["tokenizer"]["vocab_size"] == len(k25_tokenizer)
     assert {"think_start_id", "think_end_id", "end_of_turn_id"} <= set(tok["chat_format"])

@@ -239,7 +239,7 @@ def test_packing_is_deterministic_and_respects_the_budget():
 
 
 def test_split_is_fixed_by_id_and_matches_03_rule():
-    from eagle3_train.vocab import is_heldout
+    from eagle3_train.split import is_heldout
 
     ids = [f"x{i}" for i in range(1000)]
     lengths = dict.fromkeys(ids, 10)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle3_train import vocab
+from eagle3_train import split, vocab
 from eagle3_train.errors import PipelineError, run_main
 from eagle3_train.manifest import describe_file
 from eagle3_train.store import read_jsonl
@@ -56,7 +56,7 @@ def run03(data, target, out, *extra):
 def naive_counts(data: Path, v: int, heldout_fraction: float | None = None) -> np.ndarray:
     c = Counter()
     for rec in read_jsonl(Path(data) / "data.jsonl"):
-        if heldout_fraction is not None and not vocab.is_heldout(rec["id"], heldout_fraction):
+        if heldout_fraction is not None and not split.is_heldout(rec["id"], heldout_fraction):
             continue
         c.update(t for t, m in zip(rec["input_ids"], rec["loss_mask"]) if m)
     out = np.zeros(v, dtype=np.int64)
@@ -261,10 +261,10 @@ def test_coverage_curve_and_size_for_coverage_match_a_direct_computation():
 
 def test_heldout_split_is_fixed_by_id():
     ids = [f"id-{i}" for i in range(4000)]
-    a = [vocab.is_heldout(i, 0.1) for i in ids]
-    assert a == [vocab.is_heldout(i, 0.1) for i in reversed(ids)][::-1]
+    a = [split.is_heldout(i, 0.1) for i in ids]
+    assert a == [split.is_heldout(i, 0.1) for i in reversed(ids)][::-1]
     assert 300 < sum(a) < 500
-    assert not any(vocab.is_heldout(i, 0.0) for i in ids)
+    assert not any(split.is_heldout(i, 0.0) for i in ids)
 
 
 # ----------------------------------------------------------------------------- errors, as a user sees them

@@ -11,11 +11,12 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from .config import GENERATE, TOKENIZE
 from .errors import PipelineError
 from .manifest import read_manifest
-from .store import read_jsonl
+from .store import Line, jsonl_lines, parse_json_line, read_jsonl
 
-STAGE = "tokenize"
+STAGE = TOKENIZE
 DATA = "data.jsonl"
 
 
@@ -31,8 +32,24 @@ def training_record(sample: dict, tok) -> dict:
     }
 
 
+def check_record(rec: dict, where: str) -> dict:
+    """A tokenized record has an id and as many loss_mask entries as input_ids (one place says so)."""
+    for key in ("id", "input_ids", "loss_mask"):
+        if key not in rec:
+            raise PipelineError(f"{where}: record {rec.get('id', '?')} has no {key!r}")
+    ids, mask = rec["input_ids"], rec["loss_mask"]
+    if not isinstance(ids, list) or not isinstance(mask, list):
+        raise PipelineError(f"{where}: record {rec['id']}: input_ids and loss_mask must be lists")
+    if len(ids) != len(mask):
+        raise PipelineError(f"{where}: record {rec['id']} has {len(ids)} input_ids but {len(mask)} "
+                            "loss_mask entries")
+    return rec
+
+
 class TrainingSet:
-    """A complete tokenized set: `ts = TrainingSet(dir); ts.manifest; for rec in ts: ...`."""
+    """A complete tokenized set, the one reader of data.jsonl (02, 03 and the tests read it here):
+    `ts = TrainingSet(dir); ts.manifest; for rec in ts: ...`; `ts.lines(digest=h)` for offsets
+    and a hash of exactly the bytes read; `ts.record_at(offset)` for random access."""
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
@@ -43,17 +60,24 @@ class TrainingSet:
 
     @property
     def tokenizer(self) -> dict:
-        return self.manifest["tokenizer"]
+        return self.manifest.get("tokenizer") or {}
+
+    def lines(self, *, digest=None) -> Iterator[Line]:
+        """Every record, checked, with its line number and byte offset (no torn tail tolerated:
+        a complete set was renamed into place whole)."""
+        for line in jsonl_lines(self.path, tolerate_torn_tail=False, digest=digest):
+            check_record(line.record, f"{self.path}:{line.lineno}")
+            yield line
 
     def __iter__(self) -> Iterator[dict]:
-        for rec in read_jsonl(self.path, tolerate_torn_tail=False):
-            for key in ("id", "input_ids", "loss_mask"):
-                if key not in rec:
-                    raise PipelineError(f"{self.path}: record {rec.get('id', '?')} has no {key!r}")
-            if len(rec["input_ids"]) != len(rec["loss_mask"]):
-                raise PipelineError(f"{self.path}: record {rec['id']} has {len(rec['input_ids'])} "
-                                    f"input_ids but {len(rec['loss_mask'])} loss_mask entries")
-            yield rec
+        for line in self.lines():
+            yield line.record
+
+    def record_at(self, offset: int) -> dict:
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            where = f"{self.path} (offset {offset})"
+            return check_record(parse_json_line(f.readline(), where), where)
 
 
 def summarize(records: Iterable[dict]) -> dict:
@@ -73,7 +97,7 @@ def summarize(records: Iterable[dict]) -> dict:
 
 # ----------------------------------------------------------------------------- the tokenize step
 
-RAW_STAGE = "01b"
+RAW_STAGE = GENERATE
 RAW_FILE = "raw_responses.jsonl"
 MISMATCH_EXAMPLES = 5  # mismatches described in full in the manifest; all are counted
 

@@ -34,6 +34,7 @@ from .errors import PipelineError
 from .manifest import describe_target, describe_tokenizer, read_manifest, text_config, write_manifest
 from .progress import Progress
 from .store import DirLock, clean_temp_files, move_aside
+from .target import target_info
 
 MANIFEST_NAME = "manifest.json"
 DISK_MARGIN = 1.02  # headers, index, plan: a few per cent on top of the tensor bytes
@@ -319,16 +320,6 @@ def rank_and_world(args) -> tuple[int, int]:
     if world < 1 or not 0 <= rank < world:
         raise PipelineError(f"--rank {rank} must lie in 0..{world - 1} (--world-size {world})")
     return rank, world
-
-
-def target_info(model: str) -> tuple[dict, object]:
-    from transformers import AutoConfig
-
-    try:
-        cfg = AutoConfig.from_pretrained(model, trust_remote_code=True)
-    except (OSError, ValueError) as e:
-        raise PipelineError(f"cannot read the target's config at {model!r}: {str(e).splitlines()[0]}") from None
-    return describe_target(cfg, model), text_config(cfg)
 
 
 def check_tokenizer(args, inp: InputSet) -> dict:

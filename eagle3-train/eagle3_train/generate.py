@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .client import ChatClient
+from .config import GENERATE
 from .errors import PipelineError
 from .manifest import MANIFEST, describe_file, write_manifest
 from .progress import Progress
@@ -33,7 +34,7 @@ from .prompts import Prompt, load_prompts, parse_shard
 from .store import DirLock, JsonlWriter, atomic_write_json, atomic_write_text, clean_temp_files, \
     pending_ids, read_jsonl
 
-STAGE = "01b"
+STAGE = GENERATE
 RAW = "raw_responses.jsonl"
 ERRORS = "errors.jsonl"
 RUN_CONFIG = "run_config.json"

@@ -40,11 +40,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .config import EXTRACT
 from .errors import PipelineError
 from .manifest import read_manifest
-from .store import TMP_PREFIX, JsonlWriter, _fsync_dir, atomic_write_json, read_jsonl
+from .store import TMP_PREFIX, JsonlWriter, fsync_dir, atomic_write_json, read_jsonl
 
-STAGE = "02_extract_hidden_states"
+STAGE = EXTRACT
 INDEX = "index.jsonl"
 PLAN = "plan.json"
 PLAN_VERSION = 1
@@ -163,7 +164,7 @@ def write_shard(directory: Path, k: int, samples: Sequence[dict], tensors: dict[
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     tmp.replace(final)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     entry = {"shard": final.name, "k": k, "ids": [s["id"] for s in samples], "offsets": offsets,
              "lengths": lengths, "tokens": total, "bytes": final.stat().st_size,
              "seq": time.time_ns()}

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .config import LEGACY_IDS
 from .errors import PipelineError
 from .store import TMP_PREFIX, atomic_write_json, file_sha256
 
@@ -102,7 +103,8 @@ def read_manifest(directory: Path, stage: str | None = None) -> dict:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise PipelineError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    if stage is not None and manifest.get("stage") != stage:
+    if stage is not None and LEGACY_IDS.get(manifest.get("stage"), manifest.get("stage")) != \
+            LEGACY_IDS.get(stage, stage):
         raise PipelineError(f"{directory} holds the output of {manifest.get('stage')!r}, "
                             f"expected {stage!r}")
     if not manifest.get("complete"):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .errors import PipelineError
 from .manifest import describe_file
-from .store import json_sha256
+from .store import json_sha256, jsonl_lines
 
 ID_KEYS = ("id", "prompt_id", "conversation_id", "uuid", "idx")
 ROLE_ALIASES = {
@@ -132,15 +132,8 @@ def row_to_prompt(row, id_key: str | None = None) -> Prompt:
 # ----------------------------------------------------------------------------- sources
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                yield f"{path}:{n}", json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise PipelineError(f"{path}:{n}: malformed JSON line ({getattr(e, 'msg', e)}): "
-                                    f"{raw[:60].decode(errors='replace')!r}") from None
+    for line in jsonl_lines(path, tolerate_torn_tail=False, objects=False):  # a bad row may be skipped later
+        yield f"{path}:{line.lineno}", line.record
 
 
 def _json_rows(path: Path) -> Iterator[tuple[str, object]]:

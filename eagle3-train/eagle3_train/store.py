@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import PipelineError
@@ -38,7 +39,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         _unlink_quiet(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _umask() -> int:
@@ -65,7 +66,7 @@ def atomic_dir_commit(tmp_dir: Path, final_dir: Path) -> None:
             _rmtree(old)
         os.replace(final_dir, old)
     os.replace(tmp_dir, final_dir)
-    _fsync_dir(final_dir.parent)
+    fsync_dir(final_dir.parent)
     if old is not None:
         _rmtree(old)
 
@@ -93,7 +94,7 @@ def move_aside(directory: Path, names: Iterable[str] | None = None) -> Path | No
     dest.mkdir()
     for name in present:
         os.replace(directory / name, dest / name)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return dest
 
 
@@ -123,7 +124,8 @@ def _unlink_quiet(p) -> None:
         pass
 
 
-def _fsync_dir(d: Path) -> None:
+def fsync_dir(d: Path) -> None:
+    """Make a rename or a new file in `d` durable (best effort: some file systems refuse)."""
     try:
         fd = os.open(d, os.O_RDONLY)
     except OSError:
@@ -182,28 +184,56 @@ def repair_torn_tail(path: Path) -> int:
     return size - keep
 
 
-def read_jsonl(path: Path, *, tolerate_torn_tail: bool = True) -> Iterator[dict]:
-    """Yield records. A malformed *last* line without a newline is a torn write and is skipped;
-    a malformed line anywhere else is corruption and raises a one-line PipelineError."""
+@dataclass
+class Line:
+    """One record of a JSONL file and where it lies (for random access and messages)."""
+    lineno: int
+    offset: int  # byte offset of the line's start
+    size: int  # bytes of the line, newline included
+    record: object
+
+
+def parse_json_line(raw: bytes, where: str, *, objects: bool = True):
+    """One JSONL line, or the one-line PipelineError every JSONL reader raises for a bad one."""
+    try:
+        rec = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise PipelineError(f"{where}: malformed JSON line ({raw[:60].decode(errors='replace')!r}...)") from None
+    if objects and not isinstance(rec, dict):
+        raise PipelineError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    return rec
+
+
+def jsonl_lines(path: Path, *, tolerate_torn_tail: bool = True, objects: bool = True,
+                digest=None) -> Iterator[Line]:
+    """The records of a JSONL file with their line numbers and byte offsets; blank lines skipped.
+    A malformed *last* line without a newline is a torn write and is skipped (unless
+    tolerate_torn_tail=False); a malformed line anywhere else is corruption and raises one line.
+    `digest` (a hashlib object) is fed every byte read, so a caller can name exactly what it read."""
     path = Path(path)
     if not path.exists():
         return
     with open(path, "rb") as f:
-        lineno = 0
-        for raw in f:
-            lineno += 1
+        offset = 0
+        for lineno, raw in enumerate(f, 1):
+            if digest is not None:
+                digest.update(raw)
+            start, offset = offset, offset + len(raw)
             if not raw.strip():
                 continue
             try:
-                rec = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
+                rec = parse_json_line(raw, f"{path}:{lineno}", objects=objects)
+            except PipelineError:  # records are objects, so a torn line never parses
                 if tolerate_torn_tail and not raw.endswith(b"\n") and not f.read(1):
                     return
-                raise PipelineError(f"{path}:{lineno}: malformed JSON line "
-                                    f"({raw[:60].decode(errors='replace')!r}...)") from None
-            if not isinstance(rec, dict):
-                raise PipelineError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            yield rec
+                raise
+            yield Line(lineno, start, len(raw), rec)
+
+
+def read_jsonl(path: Path, *, tolerate_torn_tail: bool = True) -> Iterator[dict]:
+    """Yield the records of a JSONL file (see jsonl_lines)."""
+    for line in jsonl_lines(path, tolerate_torn_tail=tolerate_torn_tail):
+        yield line.record
 
 
 class JsonlWriter:

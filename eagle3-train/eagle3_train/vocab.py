@@ -25,11 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
+from .config import VOCAB
 from .errors import PipelineError
 from .manifest import MANIFEST, read_manifest
+from .split import SPLIT, is_heldout
 from .store import atomic_write_bytes, atomic_write_json
 
-STAGE = "03_build_vocab_mapping"
+STAGE = VOCAB
 FREQ = "token_freq.npy"
 FREQ_HELDOUT = "token_freq_heldout.npy"
 FREQ_MANIFEST = "token_freq.json"
@@ -38,18 +40,7 @@ COVERAGE_JSON = "coverage.json"
 COVERAGE_PNG = "coverage.png"
 OUTPUTS = (MAPPING, COVERAGE_JSON, COVERAGE_PNG, MANIFEST)
 FREQ_VERSION = 1
-SPLIT = "blake2b-64(id) / 2**64 < heldout_fraction"
 FLUSH_TOKENS = 1 << 20  # supervised tokens buffered before one bincount
-
-
-# ----------------------------------------------------------------------------- held-out split
-
-def is_heldout(sample_id, fraction: float) -> bool:
-    """Fixed split by id: the same sample is held out in every run, whatever the file order."""
-    if fraction <= 0:
-        return False
-    h = int.from_bytes(hashlib.blake2b(str(sample_id).encode(), digest_size=8).digest(), "big")
-    return h / 2.0**64 < fraction
 
 
 # ----------------------------------------------------------------------------- counting
@@ -506,23 +497,6 @@ def move_aside(out_dir: Path) -> Path | None:
 
 
 # ----------------------------------------------------------------------------- the stage
-
-def load_target_config(name_or_path: str):
-    """The target's (text) config, for its vocab size: the embedding rows, which may exceed the
-    tokenizer's length (padded vocabularies)."""
-    from transformers import AutoConfig
-
-    from .manifest import text_config
-
-    try:
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=True)
-    except (OSError, ValueError) as e:
-        raise PipelineError(f"cannot load the target config from {name_or_path!r}: "
-                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    if not isinstance(getattr(text_config(config), "vocab_size", None), int):
-        raise PipelineError(f"the target config of {name_or_path!r} has no vocab_size")
-    return config
-
 
 def counts_for(data_path: Path, out_dir: Path, key_of: Callable[[dict], dict], *, vocab_size: int,
                heldout_fraction: float, freq_from: Path | None = None, recount: bool = False,

@@ -1,7 +1,6 @@
 """04_train as a package: `run(TrainConfig.from_args(args))`.
 
   config.py      TrainConfig: every setting, validated once, which may change on resume
-  rerun.py       run.json: is the directory's run this run (resume), another (refuse / --overwrite)
   inputs.py      the store, mapping and target, checked to belong together; their identity
   data.py        the by-id split, packing, collation, the plan of batches per step
   model.py       the draft made from the config, the target head, the objective as processes share it

@@ -19,9 +19,9 @@ from torch import nn
 
 from ..store import TMP_PREFIX, atomic_dir_commit, atomic_write_json
 from .dist import Dist
+from .config import CKPT_DIR
 from .metrics import read_metrics
 
-CKPT_DIR = "checkpoints"
 COMPLETE = "COMPLETE"
 
 

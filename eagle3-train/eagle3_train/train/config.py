@@ -1,152 +1,103 @@
 """04's settings: one typed config, built once from the arguments, validated here and nowhere else,
-saved in run.json and the manifest. Fields marked `may_change` may differ when a run is resumed
-(they do not change its trajectory); any other difference is a different run."""
+saved in run.json and the manifest. Each field's help is its docstring and its flag's help text;
+`resume=True` marks what may differ when a run is resumed (it does not change the trajectory)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
+from ..config import TRAIN, StageConfig, require, setting
 from ..errors import PipelineError
 
-STAGE = "04_train"
+STAGE = TRAIN
+METRICS, CKPT_DIR, EXPORT = "metrics.jsonl", "checkpoints", "export"
 
 
-def may_change(default):
-    """A field a resumed run may set differently from the run it resumes."""
-    return field(default=default, metadata={"may_change": True})
+@dataclass(kw_only=True)
+class TrainConfig(StageConfig):
+    stage: ClassVar[str] = TRAIN
+    outputs: ClassVar[tuple[str, ...]] = (METRICS, CKPT_DIR, EXPORT, "curves.png", "progress.log")
+    claims: ClassVar[tuple[str, ...]] = (CKPT_DIR, EXPORT)
 
-
-@dataclass(frozen=True)
-class TrainConfig:
-    # -- inputs (directories may move between a run and its resumption: their manifests'
-    #    hashes are what identify them, see inputs.input_identity)
-    hidden_states: str = may_change("")
-    """02's output directory (shards + manifest)."""
-    vocab_mapping: str = may_change("")
-    """03's output directory (vocab_mapping.safetensors + manifest)."""
-    target: str = ""
-    """Target model path or name: its config, final norm, lm_head and embeddings."""
+    # -- inputs (their directories may move: their manifests' hashes identify them, see inputs.py)
+    hidden_states: str = setting(help="02 output directory (shards + manifest)", resume=True)
+    vocab_mapping: str = setting(help="03 output directory (vocab_mapping.safetensors)", resume=True)
+    target: str = setting(help="target model path or name: config, final norm, lm_head and embeddings")
 
     # -- output
-    output_dir: str = may_change("")
-    """The run directory: run.json, checkpoints/, metrics.jsonl, export/, manifest.json."""
-    overwrite: bool = may_change(False)
-    """Move a run made with other settings aside (to replaced-<time>/) instead of refusing."""
-    export_from: str = may_change("best")
-    """Export the checkpoint with the best validation acceptance ("best") or the last ("last")."""
+    output_dir: Path = setting(help="run directory (checkpoints, metrics, export/)", resume=True)
+    overwrite: bool = setting(False, help="move the previous run aside (to replaced-<time>/) and start over "
+                                          "(default: resume it, or refuse one made with other settings)", resume=True)
+    export_from: str = setting("best", help="export the checkpoint with the best validation acceptance, "
+                                            "or the last", resume=True)
 
     # -- the draft
-    draft_arch: str = "llama"
-    """Decoder layer style: llama or qwen3."""
-    draft_layers: int = 1
-    """Decoder layers."""
-    draft_hidden_size: int | None = None
-    """Draft width (None: the target's); narrower than the target trains its own embeddings."""
-    draft_intermediate_size: int | None = None
-    """MLP width (None: the target's intermediate_size scaled to the draft width)."""
-    draft_heads: int | None = None
-    """Attention heads (None: the target's)."""
-    draft_kv_heads: int | None = None
-    """Key/value heads (None: the target's)."""
-    aux_layer_ids: list[int] | None = None
-    """Aux layers the draft reads, a subset of the store's (None: all of them)."""
-    norm_before_residual: bool = False
-    """Normalise the fused hidden state before the residual."""
-    train_embeddings: bool = False
-    """Train embed_tokens too (default: a frozen copy of the target's)."""
-    train_lm_head: bool = False
-    """Train the draft lm_head too (default: frozen, the target's rows for the draft vocab)."""
-    num_speculative_tokens: int = 3
-    """Speculative tokens written into the export's config."""
+    draft_arch: str = setting("llama", help="decoder layer style")
+    draft_layers: int = setting(1, help="decoder layers")
+    draft_hidden_size: int | None = setting(None, help="draft width; smaller than the target's trains its own "
+                                                       "embeddings (default: target's)")
+    draft_intermediate_size: int | None = setting(None, help="MLP width (default: target's intermediate_size "
+                                                             "scaled to the draft width)")
+    draft_heads: int | None = setting(None, help="attention heads (default: target's)")
+    draft_kv_heads: int | None = setting(None, help="key/value heads (default: target's)")
+    aux_layer_ids: list[int] | None = setting(None, help="aux layers the draft reads, a subset of the store's "
+                                                         "(default: all of them)")
+    norm_before_residual: bool = setting(False, help="normalise the fused hidden state before the residual "
+                                                     "(default: off, as speculators)")
+    train_embeddings: bool = setting(False, help="train embed_tokens too (default: frozen copy of the target's)")
+    train_lm_head: bool = setting(False, help="train the draft lm_head too (default: frozen, the target's rows "
+                                              "for the draft vocab)")
+    num_speculative_tokens: int = setting(3, help="speculative tokens written into the export's config")
 
     # -- objective
-    ttt_steps: int = 7
-    """Training-time-test steps: how many chained draft tokens the loss unrolls."""
-    ttt_decay: str = "1.0"
-    """Per-step loss weights: g (step k weighs g**k) or a comma list of ttt_steps numbers."""
+    ttt_steps: int = setting(7, help="training-time-test steps: chained draft tokens the loss unrolls")
+    ttt_decay: str = setting("1.0", help="per-step loss weights: g (step k weighs g**k) or a comma list")
 
     # -- optimisation
-    lr: float = 1e-4
-    """Peak learning rate."""
-    min_lr_ratio: float = 0.0
-    """Final lr / peak lr."""
-    schedule: str = "cosine"
-    """Decay after warmup: cosine, linear or constant."""
-    warmup_steps: int | None = None
-    """Warmup steps (None: warmup_ratio of all steps)."""
-    warmup_ratio: float = 0.02
-    """Warmup share of all steps, when warmup_steps is None."""
-    weight_decay: float = 0.01
-    """AdamW weight decay."""
-    beta1: float = 0.9
-    """AdamW beta1."""
-    beta2: float = 0.95
-    """AdamW beta2."""
-    grad_clip: float = 0.5
-    """Gradient norm clip; 0 = off."""
+    lr: float = setting(1e-4, help="peak learning rate")
+    min_lr_ratio: float = setting(0.0, help="final lr / peak lr")
+    schedule: str = setting("cosine", help="decay after warmup")
+    warmup_steps: int | None = setting(None, help="warmup steps (default: --warmup-ratio)")
+    warmup_ratio: float = setting(0.02, help="warmup share of all steps")
+    weight_decay: float = setting(0.01, help="AdamW weight decay")
+    beta1: float = setting(0.9, help="AdamW beta1")
+    beta2: float = setting(0.95, help="AdamW beta2")
+    grad_clip: float = setting(0.5, help="gradient norm clip, 0 = off")
 
     # -- data
-    max_tokens_per_batch: int = 4096
-    """Tokens per packed batch per process; longer samples are cut to it."""
-    grad_accum: int = 1
-    """Batches per process per optimizer step."""
-    epochs: int = 1
-    """Passes over the training split."""
-    max_steps: int | None = None
-    """Stop after this many steps (None: all the epochs make)."""
-    val_fraction: float = 0.05
-    """Share of samples held out by id hash for validation (the split rule 03 and 05 use)."""
-    val_max_samples: int | None = 500
-    """Validate on at most this many held-out samples."""
-    seed: int = 0
-    """Initialisation and data order."""
+    max_tokens_per_batch: int = setting(4096, help="tokens per packed batch per process; longer samples are cut")
+    grad_accum: int = setting(1, help="batches per process per step")
+    epochs: int = setting(1, help="passes over the training split")
+    max_steps: int | None = setting(None, help="stop after this many steps (default: all)")
+    val_fraction: float = setting(0.05, help="share of samples held out by id hash for validation "
+                                             "(split.is_heldout, the rule 03 and 05 use)")
+    val_max_samples: int | None = setting(500, help="validate on at most this many held-out samples")
+    seed: int = setting(0, help="initialisation and data order")
 
     # -- hardware and distribution
-    device: str = "auto"
-    """auto (CUDA when available), cuda or cpu."""
-    distributed: str = "ddp"
-    """Under torchrun: replicate (ddp) or shard (fsdp) the draft."""
-    attn: str = "auto"
-    """Attention kernel: auto (flex on CUDA, sdpa on CPU), flex, sdpa or eager."""
-    loss_impl: str = "auto"
-    """KL kernel: auto (speculators' fused Triton loss on CUDA, eager on CPU), fused or eager."""
-    threads: int | None = may_change(None)
-    """CPU threads per process (None: torch's default)."""
+    device: str = setting("auto", help="auto = CUDA when available")
+    distributed: str = setting("ddp", help="under torchrun: replicate (ddp) or shard (fsdp) the draft")
+    attn: str = setting("auto", help="attention kernel: auto = flex on CUDA, sdpa on CPU")
+    loss_impl: str = setting("auto", help="KL kernel: auto = speculators' fused Triton loss on CUDA, eager on CPU")
+    threads: int | None = setting(None, help="CPU threads per process (default: torch's)", resume=True)
 
     # -- checkpoints and logging
-    save_every: int = may_change(500)
-    """Checkpoint + validation every N steps and at the end."""
-    keep_last: int = may_change(2)
-    """Checkpoints kept besides the best."""
-    log_every: int = may_change(10)
-    """A metrics record every N steps."""
-    progress_every: float = may_change(30.0)
-    """Seconds between progress.log lines."""
-    quiet: bool = may_change(False)
-    """No progress bar."""
+    save_every: int = setting(500, help="checkpoint + validation every N steps and at the end", resume=True)
+    keep_last: int = setting(2, help="checkpoints kept besides the best", resume=True)
+    log_every: int = setting(10, help="metrics record every N steps", resume=True)
+    progress_every: float = setting(30.0, help="seconds between progress.log lines", resume=True)
+    quiet: bool = setting(False, help="no progress bar (default: off)", resume=True)
 
-    def __post_init__(self):
+    def validate(self) -> None:
         for name in ("ttt_steps", "max_tokens_per_batch", "grad_accum", "epochs", "save_every", "log_every",
                      "draft_layers", "num_speculative_tokens", "keep_last"):
-            if getattr(self, name) < 1:
-                raise PipelineError(f"--{_flag(name)} must be at least 1, not {getattr(self, name)}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise PipelineError(f"--max-steps must be at least 1, not {self.max_steps}")
-        if not 0 <= self.val_fraction < 1:
-            raise PipelineError(f"--val-fraction must be in [0, 1), not {self.val_fraction}")
-        if self.lr <= 0:
-            raise PipelineError(f"--lr must be positive, not {self.lr}")
+            require(getattr(self, name) >= 1, f"--{_flag(name)} must be at least 1, not {getattr(self, name)}")
+        require(self.max_steps is None or self.max_steps >= 1, f"--max-steps must be at least 1, not {self.max_steps}")
+        require(0 <= self.val_fraction < 1, f"--val-fraction must be in [0, 1), not {self.val_fraction}")
+        require(self.lr > 0, f"--lr must be positive, not {self.lr}")
         self.step_weights  # noqa: B018 -- a malformed --ttt-decay is refused before any work
-
-    @classmethod
-    def from_args(cls, args) -> TrainConfig:
-        """From 04's parsed arguments (their dests are the field names)."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
-    @classmethod
-    def may_change_on_resume(cls) -> set[str]:
-        return {f.name for f in fields(cls) if f.metadata.get("may_change")}
 
     @property
     def step_weights(self) -> list[float]:
@@ -158,24 +109,23 @@ class TrainConfig:
                                 f"not {self.ttt_decay!r}") from None
         if len(vals) == 1:
             return [vals[0] ** k for k in range(self.ttt_steps)]
-        if len(vals) != self.ttt_steps:
-            raise PipelineError(f"--ttt-decay lists {len(vals)} weights, but --ttt-steps is {self.ttt_steps}")
+        require(len(vals) == self.ttt_steps,
+                f"--ttt-decay lists {len(vals)} weights, but --ttt-steps is {self.ttt_steps}")
         return vals
 
     def kernels(self, cuda: bool) -> dict[str, str]:
         """The attention and KL kernels `auto` resolves to on this device; the ones it cannot run
         are refused."""
         attn = self.attn if self.attn != "auto" else ("flex" if cuda else "sdpa")
-        if attn == "flex" and not cuda:
-            raise PipelineError("--attn flex needs CUDA (flex attention has no CPU backward); use sdpa")
+        require(attn != "flex" or cuda, "--attn flex needs CUDA (flex attention has no CPU backward); use sdpa")
         loss_impl = self.loss_impl if self.loss_impl != "auto" else ("fused" if cuda else "eager")
-        if loss_impl == "fused" and not cuda:
-            raise PipelineError("--loss-impl fused needs CUDA (a Triton kernel); use eager")
+        require(loss_impl != "fused" or cuda, "--loss-impl fused needs CUDA (a Triton kernel); use eager")
         return {"attn": attn, "loss_impl": loss_impl}
 
-    def record(self) -> dict:
-        """As saved in run.json and the manifest: local paths made absolute."""
-        cfg = asdict(self)
+    def to_dict(self) -> dict:
+        """As saved in run.json and the manifest: local paths made absolute (a resume from another
+        working directory is the same run)."""
+        cfg = super().to_dict()
         for k in ("hidden_states", "vocab_mapping", "output_dir", "target"):
             if k != "target" or Path(cfg[k]).exists():
                 cfg[k] = str(Path(cfg[k]).resolve())

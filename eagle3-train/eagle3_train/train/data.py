@@ -20,7 +20,7 @@ def split_ids(ids: list[str], lengths: dict[str, int], val_fraction: float,
               val_max: int | None) -> tuple[list[str], list[str], int]:
     """Fixed by-id split (03's rule, so 05 can find the held-out samples again); samples too short
     to train on (fewer than 3 tokens) are dropped and counted."""
-    from ..vocab import is_heldout
+    from ..split import is_heldout
 
     usable = [i for i in ids if lengths[i] >= 3]
     val = [i for i in usable if is_heldout(i, val_fraction)]

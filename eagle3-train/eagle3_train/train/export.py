@@ -7,17 +7,15 @@ import torch
 
 from ..draft import export_draft, load_target_weights
 from ..manifest import describe_target, write_manifest
-from .config import STAGE
-from .metrics import METRICS, plot_curves, read_metrics
+from .config import EXPORT, METRICS, STAGE
+from .metrics import plot_curves, read_metrics
 from .model import make_draft
-
-EXPORT = "export"
 
 
 def export(trainer, identity: dict) -> dict:
     """The best checkpoint by validation acceptance (or the last, --export-from last); every rank
     calls it, rank 0 writes and returns the manifest."""
-    from ..vocab import SPLIT
+    from ..split import SPLIT
 
     config, d, plan, out, model = trainer.config, trainer.d, trainer.plan, trainer.out, trainer.model
     step, best = trainer.step, trainer.best
@@ -35,11 +33,11 @@ def export(trainer, identity: dict) -> dict:
     if d.main:
         draft = unsharded_draft(trainer, full) if sharded else model.draft.to("cpu").float()
         info = {"step": pick, "best": best, "total_steps": trainer.total_steps, **model.kernels,
-                "args": config.record()}
+                "args": config.to_dict()}
         export_draft(draft, out / EXPORT, extra=info)
         curves = plot_curves(out)
         result = write_manifest(
-            out, STAGE, config=config.record(), inputs=identity,
+            out, STAGE, config=config.to_dict(), inputs=identity,
             outputs={"export": str((out / EXPORT).resolve()), "checkpoint": str(valid.get(pick, "")),
                      "curves": str(curves) if curves else None, "metrics": str(out / METRICS)},
             counts={"steps": trainer.total_steps, "exported_step": pick, "train_samples": len(plan.train),

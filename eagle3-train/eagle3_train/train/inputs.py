@@ -34,10 +34,11 @@ def target_identity(desc: dict | None) -> dict:
 def open_inputs(config: TrainConfig, dtype: torch.dtype = torch.float32) -> Inputs:
     from .. import vocab
     from ..hidden_store import HiddenStates
+    from ..target import load_target_config
 
     store = HiddenStates(Path(config.hidden_states), dtype=dtype)
     mapping = vocab.read_mapping(Path(config.vocab_mapping))
-    target_cfg = vocab.load_target_config(config.target)
+    target_cfg = load_target_config(config.target)
     tc = text_config(target_cfg)
     ours = target_identity(describe_target(target_cfg, config.target))
     sm, mm = store.manifest, mapping.manifest

@@ -22,20 +22,20 @@ from ..draft import lr_lambda
 from ..manifest import MANIFEST, read_manifest
 from ..progress import Progress
 from .checkpoint import Checkpointer
-from .config import STAGE, TrainConfig
+from .config import CKPT_DIR, EXPORT, STAGE, TrainConfig
 from .data import Loader, make_plan
 from .dist import Dist, setup_dist
 from .inputs import Inputs, input_identity, open_inputs
 from .metrics import Meter, Recorder
 from .model import build_model
 from .objective import batch_metrics, combine, prepare
-from .rerun import open_run_dir
 
 
 def run(config: TrainConfig, *, on_step: Callable[[int], None] | None = None) -> dict:
     """Train (or resume), validate, checkpoint, export; 04's manifest. Every process of a
     torchrun calls it; `on_step(step)` after each step is how tests interrupt a run."""
-    from ..store import DirLock
+    from .. import rerun
+    from ..store import DirLock, clean_temp_files
     from .export import export
 
     d = setup_dist(config.device)
@@ -46,7 +46,11 @@ def run(config: TrainConfig, *, on_step: Callable[[int], None] | None = None) ->
     identity = input_identity(inp, config.vocab_mapping)
     with DirLock(out, STAGE) if d.main else contextlib.nullcontext():
         if d.main:
-            open_run_dir(out, config, identity)
+            out.mkdir(parents=True, exist_ok=True)
+            clean_temp_files(out)
+            clean_temp_files(out / CKPT_DIR)
+            # Resume this run, refuse another one, or (--overwrite) move it aside and start over.
+            rerun.prepare(config, inputs=identity)
         d.barrier()
         try:
             if (out / MANIFEST).exists():  # finished: rerunning its command does nothing
@@ -60,8 +64,8 @@ def run(config: TrainConfig, *, on_step: Callable[[int], None] | None = None) ->
 
 def finished(out: Path, d: Dist) -> dict:
     man = read_manifest(out, STAGE)
-    if d.main and (out / "export" / "config.json").exists():
-        print(f"{out} is complete (step {man['counts'].get('steps')}); export: {out / 'export'}")
+    if d.main and (out / EXPORT / "config.json").exists():
+        print(f"{out} is complete (step {man['counts'].get('steps')}); export: {out / EXPORT}")
     return man
 
 
@@ -88,8 +92,8 @@ class Trainer:
         # Resume from the last complete checkpoint: weights, optimizer, scheduler, RNG, the
         # metric sums of the interval it was in, and the data position (= the step).
         meter = Meter(config.ttt_steps, self.resume())
-        progress = Progress(STAGE, total_steps, initial=self.step, log_path=self.out / "progress.log" if d.main else None,
-                            every_s=config.progress_every, unit="step", disable=not d.main or config.quiet)
+        progress = Progress(STAGE, total_steps, initial=self.step, unit="step", every_s=config.progress_every,
+                            log_path=self.out / "progress.log" if d.main else None, disable=not d.main or config.quiet)
         self.recorder = recorder = Recorder(self.out, d.main, progress)
         if self.checkpointer.resumed_from:
             recorder.write({"kind": "resume", "step": self.step, "from": self.checkpointer.resumed_from.name,

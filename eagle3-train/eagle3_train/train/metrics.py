@@ -12,8 +12,7 @@ import torch
 from ..acceptance import merge, summarize
 from ..progress import Progress
 from ..store import JsonlWriter, atomic_write_bytes, read_jsonl
-
-METRICS = "metrics.jsonl"
+from .config import METRICS
 
 
 class Meter:

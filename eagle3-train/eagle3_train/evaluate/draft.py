@@ -1,0 +1,109 @@
+"""05's view of the draft: 04's export (speculators format), checked, identified, and loaded for
+the offline simulation; the target's head that gives its greedy tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import PipelineError
+from ..manifest import describe_file
+from ..rerun import RUN
+from ..store import json_sha256
+
+
+def read_draft_config(draft_dir: Path) -> dict:
+    """The export's config.json, checked to be a speculators EAGLE-3 draft."""
+    path = Path(draft_dir) / "config.json"
+    if not path.exists():
+        raise PipelineError(f"{draft_dir} is not a draft export (no config.json); pass 04's export/ dir")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PipelineError(f"{path} is not valid JSON ({e.msg})") from None
+    if cfg.get("speculators_model_type") != "eagle3":
+        raise PipelineError(f"{path} has speculators_model_type={cfg.get('speculators_model_type')!r}, "
+                            "expected 'eagle3' (a speculators-format EAGLE-3 export)")
+    return cfg
+
+
+def draft_k(cfg: dict) -> int:
+    """Speculative tokens the draft was exported for (speculators_config.proposal_methods[0])."""
+    try:
+        return int(cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise PipelineError("draft config.json has no speculators_config.proposal_methods[0]"
+                            ".speculative_tokens; pass --num-speculative-tokens") from None
+
+
+def draft_target(cfg: dict) -> str | None:
+    return (cfg.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
+
+
+def describe_draft(draft_dir: Path) -> dict:
+    """Identity of an export: its files' hashes, plus 04's manifest where the export sits in a run."""
+    draft_dir = Path(draft_dir)
+    files = {p.name: describe_file(p) for p in sorted(draft_dir.iterdir())
+             if p.is_file() and not p.name.startswith(".") and p.suffix in (".json", ".safetensors")}
+    out = {"path": str(draft_dir.resolve()), "files": files,
+           "sha256": json_sha256({n: f["sha256"] for n, f in files.items()})}
+    for d in (draft_dir, draft_dir.parent):
+        m = d / "manifest.json"
+        if m.exists() and m != draft_dir / "config.json":
+            try:
+                man = json.loads(m.read_text())
+            except json.JSONDecodeError:
+                continue
+            # Where 04's split is read from; the export's own files are what identify the draft.
+            out["manifest"] = {"path": str(m.resolve()), "stage": man.get("stage")}
+            break
+    else:
+        if (draft_dir.parent / RUN).exists():  # a 04 run directory: its export counts only once it finished
+            raise PipelineError(f"{draft_dir} belongs to the 04 run {draft_dir.parent}, which did not finish "
+                                "(no manifest.json); resume 04 with the same command, or copy the export "
+                                "out of the run directory to evaluate it as it is")
+    return out
+
+
+def load_draft(draft_dir: Path, target: Path):
+    """The export as speculators' Eagle3DraftModel, on CPU with sdpa attention (flex attention
+    needs a GPU). Built from its config and loaded from its weights directly, so a draft narrower
+    than the target (fc of n_aux * target_hidden, see draft.py) loads too; embed_tokens comes from
+    the target when the export leaves it out (vLLM shares the target's then)."""
+    from safetensors.torch import load_file
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    from ..draft import load_target_weights
+
+    draft_dir = Path(draft_dir)
+    config = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    files = sorted(draft_dir.glob("*.safetensors"))
+    if not files:
+        raise PipelineError(f"{draft_dir} has no *.safetensors weights")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    model = Eagle3DraftModel(config)
+    fc = state.get("fc.weight")
+    if fc is not None and fc.shape != model.fc.weight.shape:
+        model.fc = torch.nn.Linear(fc.shape[1], fc.shape[0], bias=False)
+    if "embed_tokens.weight" not in state:
+        state["embed_tokens.weight"] = load_target_weights(target)["embed"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.startswith("verifier_")]  # training-only copies
+    if missing or unexpected:
+        raise PipelineError(f"{draft_dir}: weights do not fit its config.json (missing {missing[:4]}, "
+                            f"unexpected {list(unexpected)[:4]})")
+    return model.float().eval()
+
+
+def load_target_head(target: Path):
+    """The target's final norm + lm_head (04's TargetHead): greedy tokens from stored last states."""
+    from transformers import AutoConfig
+
+    from ..draft import load_target_weights, target_head
+
+    return target_head(AutoConfig.from_pretrained(target), load_target_weights(target), None, "cpu", torch.float32)

@@ -1,0 +1,134 @@
+"""05 offline (no server): the draft runs over held-out samples of the 02 store exactly as vLLM
+runs it (target features at t and token t+1 in, K chained proposals out) and each proposal is
+compared with the target's own greedy token; acceptance is the chain rule of
+`acceptance.chain_acceptance`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..acceptance import chain_acceptance, draft_correctness, merge, summarize
+from ..config import TRAIN
+from ..draft import draft_to_target
+from ..errors import PipelineError
+from ..hidden_checks import read_sample  # the same damaged-shard / NaN checks as training
+from ..manifest import require_match
+from ..progress import Progress
+from ..split import is_heldout
+
+
+def heldout_ids(store_ids: Sequence[str], draft: dict) -> tuple[list[str], str]:
+    """The store's samples the draft was not trained on, by the split 04 recorded in its manifest:
+    an explicit id list, or the fixed by-id rule with its fraction. Without either, every
+    sample (and the report says so)."""
+    found = draft.get("manifest") or {}
+    man = json.loads(Path(found["path"]).read_text()) if found.get("stage") == TRAIN else {}
+    split = man.get("split") or {}
+    ids = split.get("heldout_ids") or split.get("val_ids") or man.get("val_ids")
+    if ids:
+        keep = set(ids)
+        return [i for i in store_ids if i in keep], "04 manifest (held-out ids)"
+    fraction = split.get("heldout_fraction", split.get("val_fraction"))
+    if fraction:
+        return [i for i in store_ids if is_heldout(i, float(fraction))], f"by-id split, fraction {fraction}"
+    return list(store_ids), "all samples (the draft's manifest records no held-out split)"
+
+
+def _store_aux_ids(store) -> list[int]:
+    """02 records `aux_layer_ids`, and `layer_ids` = aux + [N] (the last layer's output)."""
+    if store.manifest.get("aux_layer_ids") is not None:
+        return list(store.manifest["aux_layer_ids"])
+    ids = list(store.layer_ids)
+    n = (store.manifest.get("target") or {}).get("num_hidden_layers")
+    return ids[:-1] if n is not None and ids and ids[-1] == n else ids
+
+
+def check_store(store, cfg: dict, target_desc: dict) -> None:
+    """Refuse a store made for another target, or with other layers than the draft reads."""
+    theirs = store.manifest.get("target") or {}
+    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
+        if key in theirs:
+            require_match(f"target {key}", target_desc[key], theirs[key], source=str(store.directory))
+    want = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if want:
+        require_match("auxiliary layer ids", list(want), _store_aux_ids(store), source=str(store.directory))
+
+
+def _batches(ids: Sequence[str], lengths: dict[str, int], tokens_per_batch: int):
+    batch, n = [], 0
+    for sid in ids:
+        if batch and n + lengths[sid] > tokens_per_batch:
+            yield batch
+            batch, n = [], 0
+        batch.append(sid)
+        n += lengths[sid]
+    if batch:
+        yield batch
+
+
+@torch.no_grad()
+def draft_step_tokens(model, samples: list, k: int) -> list[list[torch.Tensor]]:
+    """Run the draft over several samples packed into one sequence and return, per sample, the
+    K proposals (target vocabulary) at each drafting position, in the frame of
+    `acceptance.draft_correctness`: position j holds token t = j + 1 and the features of j.
+
+    vLLM drafts from (features of t-1, token t) and proposes t+1, t+2, ...; the proposal at depth
+    k > 0 is fed the earlier ones. The forward feeds the true tokens instead (teacher forcing),
+    which is the same thing whenever the earlier proposals were right, the only case the chain
+    rule counts."""
+    hs, ids, docs, pos = [], [], [], []
+    for d, s in enumerate(samples):
+        n = s.input_ids.shape[0] - 1
+        hs.append(s.aux[:-1].flatten(1))
+        ids.append(s.input_ids[1:])
+        docs.append(torch.full((n,), d, dtype=torch.long))
+        pos.append(torch.arange(1, n + 1))
+    out = model(hidden_states=torch.cat(hs)[None].float(), input_ids=torch.cat(ids)[None],
+                document_ids=torch.cat(docs)[None], position_ids=torch.cat(pos)[None], ttt_steps=k)
+    to_target = draft_to_target(model)
+    steps = [to_target(t[0]) for t in out]
+    per_sample, a = [], 0
+    for s in samples:
+        n = s.input_ids.shape[0] - 1
+        per_sample.append([t[a:a + n] for t in steps])
+        a += n
+    return per_sample
+
+
+def offline_eval(model, head, store, ids: Sequence[str], k: int, *,
+                 tokens_per_batch: int = 4096, log_path: Path | None = None, every_s: float = 10.0) -> dict:
+    """Chain acceptance of the draft against the target's greedy tokens over `ids`."""
+    lengths = {sid: store.length(sid) for sid in ids}
+    stats, tokens, same, supervised = [], 0, 0, 0
+    with Progress("05 offline", len(ids), log_path=log_path, every_s=every_s, unit="sample") as prog:
+        for batch in _batches(ids, lengths, tokens_per_batch):
+            samples = [s for s in (read_sample(store, sid) for sid in batch) if s.input_ids.shape[0] >= 2]
+            drafts = draft_step_tokens(model, samples, k) if samples else []
+            for s, d in zip(samples, drafts):
+                if s.last is not None and head is not None:
+                    greedy = head.greedy(s.last)
+                elif s.topk_ids is not None:
+                    greedy = s.topk_ids[:, 0]
+                else:
+                    raise PipelineError(f"{store.directory} keeps neither the last hidden state nor "
+                                        "top-k, so the target's greedy tokens are unknown")
+                # Shifted frame (see draft_step_tokens): reference for token j+1 is greedy at j+1.
+                ref = greedy[1:]
+                ids_s, mask_s = s.input_ids[1:], s.loss_mask[1:]
+                correct, valid = draft_correctness(d, ids_s, mask_s, ref)
+                stats.append(chain_acceptance(correct, valid))
+                tokens += int(s.input_ids.shape[0])
+                m = s.loss_mask[1:].bool()
+                same += int((greedy[:-1][m] == s.input_ids[1:][m]).sum())
+                supervised += int(m.sum())
+            prog.update(len(batch), tokens=sum(lengths[i] for i in batch))
+    if not stats:
+        raise PipelineError(f"no held-out samples with at least 2 tokens in {store.directory}")
+    counts = merge(stats)
+    return {**summarize(counts), "counts": counts, "k": k, "samples": len(stats), "tokens": tokens,
+            # How far the data is from the target's greedy choice: 1.0 = greedily generated.
+            "data_matches_greedy": same / supervised if supervised else None}
