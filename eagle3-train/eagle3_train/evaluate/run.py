@@ -35,18 +35,20 @@ def run(config: EvalConfig) -> str:
     from .. import rerun
     from ..store import DirLock, clean_temp_files
 
-    plan = Evaluation(config)
+    # Every check before any output: the draft, the target, the store and prompts belong together.
+    evaluation = Evaluation(config)
     out = config.output_dir
     with DirLock(out, config.stage):
         # Resume this evaluation, refuse another one, or (--overwrite) move it aside.
-        rerun.prepare(config, inputs=plan.identity)
+        rerun.prepare(config, inputs=evaluation.identity)
         clean_temp_files(out)
         clean_temp_files(out / ARMS_DIR)
-        offline = plan.offline(out) if plan.store else None
-        results = {arm: plan.arm(out, arm) for arm in config.arm_list}
-        rep = build_report(plan.identity, offline, results)
-        md = write_report(out, rep)
-        plan.write_manifest(out, offline, results)
+        # Each part is kept once finished: a rerun does only the missing ones.
+        offline = evaluation.offline(out) if evaluation.store else None
+        results = {arm: evaluation.arm(out, arm) for arm in config.arm_list}
+        md = write_report(out, build_report(evaluation.identity, offline, results))
+        # Last: from here on the evaluation counts as finished.
+        evaluation.write_manifest(out, offline, results)
     return md
 
 
@@ -54,11 +56,12 @@ class Evaluation:
     """What is evaluated, checked and identified before any output is written."""
 
     def __init__(self, config: EvalConfig):
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from ..hidden_store import HiddenStates
         from ..manifest import describe_target, describe_tokenizer
         from ..prompts import load_prompts
+        from ..target import load_target_config
 
         self.config = config
         self.draft_cfg = cfg = read_draft_config(config.draft)
@@ -67,7 +70,7 @@ class Evaluation:
         if target is None or not (Path(target) / "config.json").exists():
             raise PipelineError(f"target {target} not found; pass --target (the model the draft was trained for)")
         self.target = target
-        self.target_desc = describe_target(AutoConfig.from_pretrained(target), str(target))
+        self.target_desc = describe_target(load_target_config(str(target)), str(target))
         self.tok_desc = describe_tokenizer(AutoTokenizer.from_pretrained(target), str(target))
         layer = cfg.get("transformer_layer_config") or {}
         require_match("target vocab size", self.target_desc["vocab_size"], layer.get("vocab_size"),
