@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 
+from eagle3_train.configs.generate import TRANSPORTS, GenerateConfig
+from eagle3_train.configs.tokenize import add_tokenization_args
 from eagle3_train.errors import run_main
-from eagle3_train.tokenization import add_tokenization_args
 
 
 def _json_object(text: str) -> dict:
@@ -31,103 +30,55 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None) -> GenerateConfig:
+    C = GenerateConfig
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input")
-    g.add_argument("--input", required=True,
-                   help="prompts: a .jsonl/.json file, a saved dataset dir, or a hub dataset name")
-    g.add_argument("--split", default="train", help="dataset split (default: train)")
-    g.add_argument("--dataset-config", default=None, help="dataset config name (default: none)")
-    g.add_argument("--id-field", default=None,
-                   help="field holding the sample id (default: id/prompt_id/conversation_id/uuid/idx, "
-                        "else a hash of the conversation)")
-    g.add_argument("--limit", type=int, default=None, help="use the first N prompts (default: all)")
-    g.add_argument("--shard", default=None, help="I/N: this process takes shard I of N, by id hash (default: all)")
-    g.add_argument("--skip-invalid", action="store_true",
-                   help="count and skip malformed rows instead of stopping (default: stop with an error)")
+    g.add_argument("--input", **C.arg("input"))
+    g.add_argument("--split", **C.arg("split"))
+    g.add_argument("--dataset-config", **C.arg("dataset_config"))
+    g.add_argument("--id-field", **C.arg("id_field"))
+    g.add_argument("--limit", type=int, **C.arg("limit"))
+    g.add_argument("--shard", **C.arg("shard"))
+    g.add_argument("--skip-invalid", action="store_true", **C.arg("skip_invalid"))
 
     g = p.add_argument_group("output")
-    g.add_argument("--output-dir", required=True, help="where raw_responses.jsonl etc. go")
-    g.add_argument("--overwrite", action="store_true",
-                   help="start over: move the previous output aside into replaced-<time>/ (default: resume)")
-    g.add_argument("--progress-every", type=float, default=30.0,
-                   help="seconds between lines in progress.log (default: 30)")
+    g.add_argument("--output-dir", **C.arg("output_dir"))
+    g.add_argument("--overwrite", action="store_true", **C.arg("overwrite"))
+    g.add_argument("--progress-every", type=float, **C.arg("progress_every"))
 
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", action="append", required=True,
-                   help="OpenAI-compatible endpoint, e.g. http://host:8000/v1; repeat to spread load")
-    g.add_argument("--model", required=True, help="served model name")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "EMPTY"),
-                   help="API key; not stored in the manifest (default: $OPENAI_API_KEY, else EMPTY)")
-    g.add_argument("--concurrency", type=int, default=64, help="requests in flight in total (default: 64)")
-    g.add_argument("--timeout", type=float, default=3600.0,
-                   help="seconds for one attempt, end to end; long reasoning needs minutes (default: 3600)")
-    g.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to connect (default: 30)")
-    g.add_argument("--max-retries", type=int, default=5,
-                   help="retries after timeouts, connection errors, 429 and 5xx (default: 5)")
-    g.add_argument("--backoff-base", type=float, default=2.0,
-                   help="first retry waits ~this many seconds, doubling each time (default: 2)")
-    g.add_argument("--backoff-max", type=float, default=120.0, help="longest wait between retries (default: 120)")
-    g.add_argument("--abort-after", type=int, default=64,
-                   help="stop when this many samples in a row fail after retries; 0 = never (default: 64)")
-    g.add_argument("--transport", choices=("aiohttp", "httpx"), default="aiohttp",
-                   help="HTTP layer under the openai SDK (default: aiohttp)")
-    g.add_argument("--no-preflight", action="store_true",
-                   help="skip checking that each endpoint serves --model (default: check)")
+    g.add_argument("--base-url", action="append", **C.arg("base_url", default=None))
+    g.add_argument("--model", **C.arg("model"))
+    g.add_argument("--api-key", **C.arg("api_key"))
+    g.add_argument("--concurrency", type=int, **C.arg("concurrency"))
+    g.add_argument("--timeout", type=float, **C.arg("timeout"))
+    g.add_argument("--connect-timeout", type=float, **C.arg("connect_timeout"))
+    g.add_argument("--max-retries", type=int, **C.arg("max_retries"))
+    g.add_argument("--backoff-base", type=float, **C.arg("backoff_base"))
+    g.add_argument("--backoff-max", type=float, **C.arg("backoff_max"))
+    g.add_argument("--abort-after", type=int, **C.arg("abort_after"))
+    g.add_argument("--transport", choices=TRANSPORTS, **C.arg("transport"))
+    g.add_argument("--no-preflight", action="store_true", **C.arg("no_preflight"))
 
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=None, help="max generated tokens (default: up to the context)")
-    g.add_argument("--temperature", type=float, default=None,
-                   help="sampling temperature (default: the server's, i.e. the model's generation config)")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: server's)")
-    g.add_argument("--seed", type=int, default=None,
-                   help="base seed; each sample gets seed+hash(id) (default: unseeded)")
-    g.add_argument("--extra-body", type=_json_object, default={},
-                   help='JSON merged into every request, e.g. \'{"top_k": 20}\' (default: {})')
+    g.add_argument("--max-tokens", type=int, **C.arg("max_tokens"))
+    g.add_argument("--temperature", type=float, **C.arg("temperature"))
+    g.add_argument("--top-p", type=float, **C.arg("top_p"))
+    g.add_argument("--seed", type=int, **C.arg("seed"))
+    g.add_argument("--extra-body", type=_json_object, **C.arg("extra_body"))
 
     g = p.add_argument_group("tokenize (same as 01c_tokenize.py)")
-    g.add_argument("--tokenize", action="store_true",
-                   help="also write <output-dir>/tokenized/ (training JSONL) when generation is done")
-    k = g.add_mutually_exclusive_group()
-    k.add_argument("--keep-length", dest="keep_length", action="store_true", default=True,
-                   help="keep answers cut by --max-tokens (finish_reason=length) (default)")
-    k.add_argument("--drop-length", dest="keep_length", action="store_false",
-                   help="drop answers cut by --max-tokens")
-    add_tokenization_args(p)  # its --chat-template-kwargs is sent to the server too
-    args = p.parse_args(argv)
-    for name in ("concurrency", "max_retries", "timeout"):
-        if getattr(args, name) is None or getattr(args, name) < (1 if name == "concurrency" else 0):
-            p.error(f"--{name.replace('_', '-')} must be positive")
-    if not isinstance(args.chat_template_kwargs, dict):
-        p.error("--chat-template-kwargs must be a JSON object")
-    return args
+    g.add_argument("--tokenize", action="store_true", **C.arg("tokenize"))
+    add_tokenization_args(p, C)  # its --chat-template-kwargs is sent to the server too
+    return C.from_args(p.parse_args(argv))
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    from eagle3_train.generate import run_generation
+    cfg = parse_args(argv)
+    from eagle3_train.generate import run_stage
 
-    res = run_generation(args)
-    if res.interrupted:
-        print(f"01b stopped by {res.interrupted}: {res.answered}/{res.requested} answered so far; "
-              "rerun the same command to resume", file=sys.stderr)
-        return 143 if res.interrupted == "SIGTERM" else 130
-    print(f"01b: {res.answered}/{res.requested} answered ({res.new_answers} this run, "
-          f"{res.tokens} tokens), {res.failed} failed -> {Path(args.output_dir) / 'raw_responses.jsonl'}")
-    if args.tokenize:
-        from eagle3_train.dataset import build_training_set
-        from eagle3_train.tokenization import chat_format_from_args
-
-        fmt = chat_format_from_args(args, default_tokenizer=args.model)
-        build_training_set(args.output_dir, Path(args.output_dir) / "tokenized", fmt,
-                           tokenizer_name=args.tokenizer or args.model, max_seq_len=args.max_seq_len,
-                           loss_on=args.loss_on, keep_length=args.keep_length,
-                           progress_every=args.progress_every)
-    if res.failed:
-        print(f"{res.failed} ids failed after retries (reasons in errors.jsonl); "
-              "rerun the same command to retry them", file=sys.stderr)
-        return 1
-    return 0
+    return run_stage(cfg)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3_train import extract
+from eagle3_train import extract, extract_hf
 from eagle3_train.target import target_info
 from eagle3_train import hidden_store as hs
 from eagle3_train.dataset import DATA
@@ -79,7 +79,7 @@ class _Backend:  # the stage's backend interface around an already loaded target
         self.target, self.batch_tokens = target, batch_tokens
 
     def batches(self, records):
-        return extract.token_batches(records, self.batch_tokens, 1 << 30)
+        return extract_hf.token_batches(records, self.batch_tokens, 1 << 30)
 
     def run(self, records):
         return self.target.run(records)
@@ -95,12 +95,13 @@ def bench_target(model_dir: Path, inp: extract.InputSet, *, storage: str, device
     info, cfg = target_info(str(model_dir))
     N, H = cfg.num_hidden_layers, cfg.hidden_size
     aux = extract.default_aux_layers(N)
-    target = extract.HFTarget(str(model_dir), num_layers=N, aux_ids=aux, storage=storage, topk=topk,
+    target = extract_hf.HFTarget(str(model_dir), num_layers=N, aux_ids=aux, storage=storage, topk=topk,
                               dtype=dtype, device=device)
     plan = hs.make_plan([(sid, inp.lengths[sid]) for sid in inp.ids],
                         hs.shard_tokens_for(shard_mb, hs.bytes_per_token(storage, len(aux), H, topk)))
     # exactly the batches the stage makes: per shard, in plan order
-    batches = [target.pad(b) for s in plan for b in extract.token_batches(inp.records(s["ids"]), batch_tokens, 1 << 30)]
+    batches = [target.pad(b) for s in plan
+               for b in extract_hf.token_batches(inp.records(s["ids"]), batch_tokens, 1 << 30)]
     tokens = sum(inp.lengths.values())
 
     def plain():
@@ -172,8 +173,8 @@ def main(argv=None):
     args = parse_args(argv)
     from eagle3_train.fixtures import random_target_dir
 
-    device = extract.resolve_device(args.device)
-    dtype = extract.resolve_dtype(args.dtype, device)
+    device = extract_hf.resolve_device(args.device)
+    dtype = extract_hf.resolve_dtype(args.dtype, device)
     if device == "cpu" and args.threads:
         torch.set_num_threads(args.threads)
     results = []

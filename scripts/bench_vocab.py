@@ -24,7 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3_train import vocab
+from eagle3_train import vocab_counts
+from eagle3_train.config import TOKENIZE
+from eagle3_train.dataset import TrainingSet
+from eagle3_train.manifest import write_manifest
 
 
 def make_records(n: int, length: int, v: int, seed: int) -> list[dict]:
@@ -39,9 +42,9 @@ def make_records(n: int, length: int, v: int, seed: int) -> list[dict]:
 
 
 def count_bincount(records, v):
-    bins = vocab._Bins(v)
+    bins = vocab_counts._Bins(v)
     for rec in records:
-        bins.add(vocab.supervised_ids(rec, v, "bench"))
+        bins.add(vocab_counts.supervised_ids(rec, v, "bench"))
     bins.flush()
     return bins.counts
 
@@ -107,11 +110,13 @@ def main() -> None:
         with open(path, "w") as f:
             for r in records:
                 f.write(json.dumps(r, separators=(",", ":")) + "\n")
+        write_manifest(Path(tmp), TOKENIZE, config={"bench": True})  # what makes it a tokenized set
         rows = [
             ("counting only", "bincount", count_bincount, (records, v)),
             ("counting only", "counter", count_counter, (records, v)),
             ("counting only", "unique", count_unique, (records, v)),
-            ("from data.jsonl", "bincount", lambda pth, vv: vocab.count_tokens(pth, vv, 0.1)[0].total,
+            ("from data.jsonl", "bincount",
+             lambda pth, vv: vocab_counts.count_tokens(TrainingSet(pth.parent), vv, 0.1)[0].total,
              (path, v)),
             ("from data.jsonl", "counter", from_file(count_counter), (path, v)),
             ("from data.jsonl", "unique", from_file(count_unique), (path, v)),

@@ -17,7 +17,7 @@ from helpers import load_script, make_training_set
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3_train import extract
+from eagle3_train import extract, extract_hf
 from eagle3_train import hidden_store as hs
 from eagle3_train.errors import PipelineError
 from eagle3_train.manifest import read_manifest
@@ -235,7 +235,7 @@ def test_changed_settings_are_refused_and_overwrite_moves_the_old_output_aside(t
     # rerunning the same command is a no-op
     before = _shard_bytes(out)
     assert run02(tokset, llama_target_dir, out, "--layers", "1,3,5") == 0 and _shard_bytes(out) == before
-    with pytest.raises(PipelineError, match=r"aux_layer_ids=\[1, 3, 5\], this run has aux_layer_ids=\[2, 4, 5\]"):
+    with pytest.raises(PipelineError, match=r"aux_layer_ids=\[1, 3, 5\]; this run has aux_layer_ids=\[2, 4, 5\]"):
         run02(tokset, llama_target_dir, out)
     assert run02(tokset, llama_target_dir, out, "--overwrite") == 0
     assert hs.HiddenStates(out).layer_ids == [2, 4, 5, 8]
@@ -270,10 +270,10 @@ def test_default_layers_follow_vllm():
 
 def test_token_batches_respect_the_budget():
     recs = [{"input_ids": [0] * n} for n in (50, 40, 40, 30, 10, 10)]
-    batches = list(extract.token_batches(recs, batch_tokens=100, max_batch_size=8))
+    batches = list(extract_hf.token_batches(recs, batch_tokens=100, max_batch_size=8))
     assert [len(b) for b in batches] == [2, 2, 2]
     assert all(len(b) * max(len(r["input_ids"]) for r in b) <= 100 for b in batches)
-    assert [len(b) for b in extract.token_batches(recs, 10**6, 4)] == [4, 2]
+    assert [len(b) for b in extract_hf.token_batches(recs, 10**6, 4)] == [4, 2]
 
 
 @pytest.mark.gpu

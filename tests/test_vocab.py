@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle3_train import split, vocab
+from eagle3_train import split, vocab, vocab_counts, vocab_coverage
 from eagle3_train.errors import PipelineError, run_main
 from eagle3_train.manifest import describe_file
 from eagle3_train.store import read_jsonl
@@ -249,11 +249,11 @@ def test_coverage_curve_and_size_for_coverage_match_a_direct_computation():
     evaluate = rng.zipf(1.5, 400).clip(max=1000).astype(np.int64)
     req = [399, 7]
     sizes = [2, 3, 10, 100, 400]
-    got = vocab.coverage_curve(choose, evaluate, sizes, req)
+    got = vocab_coverage.coverage_curve(choose, evaluate, sizes, req)
     for s, g in zip(sizes, got):
         assert g == pytest.approx(evaluate[vocab.select_vocab(choose, s, req)].sum() / evaluate.sum())
     assert got[-1] == pytest.approx(1.0)
-    need = vocab.size_for_coverage(choose, req, targets=(0.5, 0.9))
+    need = vocab_coverage.size_for_coverage(choose, req, targets=(0.5, 0.9))
     for t, n in need.items():
         cov = lambda k: choose[vocab.select_vocab(choose, k, req)].sum() / choose.sum()  # noqa: E731
         assert cov(n) >= float(t) and (n == len(req) or cov(n - 1) < float(t))
@@ -337,7 +337,7 @@ def test_tokenizer_target_mismatch_is_one_line_with_exit_2(tmp_path, data_dir, k
 
 def test_supervised_ids_checks_each_record():
     rec = {"id": "r", "input_ids": [3, 4, 5, 4], "loss_mask": [0, 1, 0, 1]}
-    assert vocab.supervised_ids(rec, 6, "f").tolist() == [4, 4]
+    assert vocab_counts.supervised_ids(rec, 6, "f").tolist() == [4, 4]
     for bad, msg in ((dict(rec, loss_mask=[0, 1]), "4 input_ids but 2 loss_mask"),
                      (dict(rec, loss_mask=[0, -1, 0, 1]), "other than 0/1"),
                      (dict(rec, loss_mask=[0, 2, 0, 1]), "other than 0/1"),
@@ -346,7 +346,7 @@ def test_supervised_ids_checks_each_record():
                      (dict(rec, input_ids=[3, 4, 6, 4]), r"token id 6 outside the target vocabulary \(0..5\)"),
                      ({"id": "r", "input_ids": [1]}, "no 'loss_mask'")):
         with pytest.raises(PipelineError, match=msg):
-            vocab.supervised_ids(bad, 6, "f")
+            vocab_counts.supervised_ids(bad, 6, "f")
 
 
 def test_a_crash_while_rewriting_leaves_no_complete_claim(tmp_path, data_dir, target_dir, monkeypatch):
@@ -356,7 +356,7 @@ def test_a_crash_while_rewriting_leaves_no_complete_claim(tmp_path, data_dir, ta
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(vocab, "plot_coverage", boom)
+    monkeypatch.setattr(vocab_coverage, "plot_coverage", boom)
     # different settings + --overwrite: the old output is moved aside, the new one dies half-written
     with pytest.raises(KeyboardInterrupt):
         run03(data_dir, target_dir, out, "--draft-vocab-size", 48, "--overwrite")

@@ -75,8 +75,69 @@ def _plain(value):
     return value
 
 
+class Settings:
+    """What every config dataclass can say about its fields (mixed into StageConfig, and into
+    groups of settings that several stages share)."""
+
+    @classmethod
+    def field_of(cls, name: str) -> dataclasses.Field:
+        for f in dataclasses.fields(cls):
+            if f.name == name:
+                return f
+        raise KeyError(f"{cls.__name__} has no field {name!r}")
+
+    @classmethod
+    def default(cls, name: str):
+        f = cls.field_of(name)
+        if f.default is not MISSING:
+            return f.default
+        if f.default_factory is not MISSING:
+            return f.default_factory()
+        return MISSING
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        """The field's help, with its default appended unless the text already says it (a None or
+        False default is a sentinel the text must explain)."""
+        text = cls.field_of(name).metadata["help"]
+        default = cls.default(name)
+        if "(default" in text or default is MISSING or default is False or default is None:
+            return text
+        return f"{text} (default: {default})"
+
+    @classmethod
+    def arg(cls, name: str, **extra) -> dict:
+        """add_argument keywords for a field: dest, default and help from the field."""
+        kw = {"dest": name, "help": cls.help(name)}
+        default = cls.default(name)
+        if default is MISSING:
+            kw["required"] = True
+        else:
+            kw["default"] = default
+        return {**kw, **extra}
+
+    @classmethod
+    def resumable(cls) -> frozenset[str]:
+        return frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("resume"))
+
+    def to_dict(self) -> dict:
+        """Every setting, JSON-ready, secrets redacted: the manifest's `config`."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = _plain(getattr(self, f.name))
+            if f.metadata.get("secret") and value not in (None, "", "EMPTY"):
+                value = "<redacted>"
+            out[f.name] = value
+        return out
+
+    def identity(self) -> dict:
+        """The settings a resume must match: every field not marked resume=True."""
+        skip = self.resumable()
+        return {k: v for k, v in self.to_dict().items() if k not in skip}
+
+
 @dataclass(kw_only=True)
-class StageConfig:
+class StageConfig(Settings):
     """Base of every stage's config. Subclasses set `stage` (an id above) and `outputs` (what
     `--overwrite` moves aside besides run.json and the manifest; None = everything in the
     directory), add their fields with `setting(...)`, and check them in `validate()`."""
@@ -97,7 +158,6 @@ class StageConfig:
     def validate(self) -> None:
         """Raise PipelineError (one line naming the flag and the value) for a bad setting."""
 
-    # --------------------------------------------------------------- building
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides):
         """The config from parsed arguments (argparse `dest` = field name). An argument the
@@ -108,62 +168,6 @@ class StageConfig:
         if unknown:
             raise TypeError(f"{cls.__name__} has no field for argument(s) {', '.join(unknown)}")
         return cls(**given)
-
-    @classmethod
-    def field_of(cls, name: str) -> dataclasses.Field:
-        for f in dataclasses.fields(cls):
-            if f.name == name:
-                return f
-        raise KeyError(f"{cls.__name__} has no field {name!r}")
-
-    @classmethod
-    def default(cls, name: str):
-        f = cls.field_of(name)
-        if f.default is not MISSING:
-            return f.default
-        if f.default_factory is not MISSING:
-            return f.default_factory()
-        return MISSING
-
-    @classmethod
-    def help(cls, name: str) -> str:
-        """The field's help, with its default appended unless the text already says it."""
-        text = cls.field_of(name).metadata["help"]
-        default = cls.default(name)
-        if "(default" in text or default is MISSING or default is False:
-            return text
-        return f"{text} (default: {default})"
-
-    @classmethod
-    def arg(cls, name: str, **extra) -> dict:
-        """add_argument keywords for a field: dest, default and help from the field."""
-        kw = {"dest": name, "help": cls.help(name)}
-        default = cls.default(name)
-        if default is MISSING:
-            kw["required"] = True
-        else:
-            kw["default"] = default
-        return {**kw, **extra}
-
-    @classmethod
-    def resumable(cls) -> frozenset[str]:
-        return frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("resume"))
-
-    # --------------------------------------------------------------- saving
-    def to_dict(self) -> dict:
-        """Every setting, JSON-ready, secrets redacted: the manifest's `config`."""
-        out = {}
-        for f in dataclasses.fields(self):
-            value = _plain(getattr(self, f.name))
-            if f.metadata.get("secret") and value not in (None, "", "EMPTY"):
-                value = "<redacted>"
-            out[f.name] = value
-        return out
-
-    def identity(self) -> dict:
-        """The settings a resume must match: every field not marked resume=True."""
-        skip = self.resumable()
-        return {k: v for k, v in self.to_dict().items() if k not in skip}
 
 
 def require(ok: bool, message: str) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from .config import GENERATE, TOKENIZE
+from .configs.generate import RAW
 from .errors import PipelineError
 from .manifest import read_manifest
 from .store import Line, jsonl_lines, parse_json_line, read_jsonl
@@ -49,7 +50,7 @@ def check_record(rec: dict, where: str) -> dict:
 class TrainingSet:
     """A complete tokenized set, the one reader of data.jsonl (02, 03 and the tests read it here):
     `ts = TrainingSet(dir); ts.manifest; for rec in ts: ...`; `ts.lines(digest=h)` for offsets
-    and a hash of exactly the bytes read; `ts.record_at(offset)` for random access."""
+    and a hash of exactly the bytes read; `ts.records_at(offsets)` for random access."""
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
@@ -73,11 +74,15 @@ class TrainingSet:
         for line in self.lines():
             yield line.record
 
-    def record_at(self, offset: int) -> dict:
+    def records_at(self, offsets: Iterable[int]) -> list[dict]:
+        """The records starting at these byte offsets (from lines()), checked, in that order."""
+        out = []
         with open(self.path, "rb") as f:
-            f.seek(offset)
-            where = f"{self.path} (offset {offset})"
-            return check_record(parse_json_line(f.readline(), where), where)
+            for offset in offsets:
+                f.seek(offset)
+                where = f"{self.path} (offset {offset})"
+                out.append(check_record(parse_json_line(f.readline(), where), where))
+        return out
 
 
 def summarize(records: Iterable[dict]) -> dict:
@@ -98,7 +103,6 @@ def summarize(records: Iterable[dict]) -> dict:
 # ----------------------------------------------------------------------------- the tokenize step
 
 RAW_STAGE = GENERATE
-RAW_FILE = "raw_responses.jsonl"
 MISMATCH_EXAMPLES = 5  # mismatches described in full in the manifest; all are counted
 
 
@@ -145,7 +149,7 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
 
     raw_dir, out_dir = Path(raw_dir), Path(out_dir)
     raw_manifest = read_manifest(raw_dir, RAW_STAGE)
-    raw_path = raw_dir / RAW_FILE
+    raw_path = raw_dir / RAW
     if not raw_path.exists():
         raise PipelineError(f"{raw_path} is missing although its manifest says complete")
     raw_sha = file_sha256(raw_path)
@@ -227,6 +231,22 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
             tokenizer=tok_desc, chat_format=fmt.describe(), mismatch_examples=mismatches, build_key=key)
     log(format_summary(all_counts, mismatches, out_dir / DATA))
     return manifest
+
+
+def run_tokenize(cfg) -> dict:
+    """01c for a TokenizeConfig: render with the template kwargs and the tokenizer 01b recorded,
+    unless told otherwise, then build_training_set."""
+    from dataclasses import replace
+
+    from .tokenization import chat_format_from_args
+
+    recorded = read_manifest(cfg.raw_dir, RAW_STAGE).get("config", {})
+    if not cfg.chat_template_kwargs and recorded.get("chat_template_kwargs"):
+        cfg = replace(cfg, chat_template_kwargs=recorded["chat_template_kwargs"])
+    name = cfg.tokenizer or recorded.get("tokenizer") or recorded.get("model")
+    fmt = chat_format_from_args(cfg, default_tokenizer=name)
+    return build_training_set(cfg.raw_dir, cfg.output_dir, fmt, tokenizer_name=name, max_seq_len=cfg.max_seq_len,
+                              loss_on=cfg.loss_on, keep_length=cfg.keep_length, progress_every=cfg.progress_every)
 
 
 def format_summary(c: dict, mismatches: list[dict], path: Path) -> str:

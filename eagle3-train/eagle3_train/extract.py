@@ -2,11 +2,11 @@
 
 Layer convention (DESIGN.md): id i = the residual stream entering decoder layer i (HF
 `hidden_states[i]`, vLLM's aux id i); id N = the last layer's output *before* the final norm.
-The `hf` backend captures exactly those tensors with forward pre-hooks (on layer i, and on the
-final norm for id N), so no other layer's states are kept. The `vllm` backend (vllm_extract.py)
-gets the same tensors from vLLM's `extract_hidden_states` method.
+The `hf` backend (extract_hf.py) captures exactly those tensors with forward pre-hooks; the
+`vllm` backend (vllm_extract.py) gets the same tensors from vLLM's `extract_hidden_states` method.
 
-Flow: the input is scanned (ids, lengths, byte offsets, sha256); plan.json fixes which samples
+Flow: the input is scanned (ids, lengths, byte offsets, sha256); the run is checked against
+run.json (rerun.py: same input, target, layers and storage, or --overwrite); plan.json fixes which samples
 go to which shard (first run only); each shard not yet committed (and, with several ranks, owned
 by this rank: k % world_size == rank) is computed batch by batch, encoded (bf16 / fp8 / top-k),
 written atomically and indexed; the manifest is written once every shard of the plan is in.
@@ -15,12 +15,10 @@ written atomically and indexed; the manifest is written once every shard of the 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,15 +26,14 @@ from pathlib import Path
 import torch
 
 from . import hidden_store as hs
-from .dataset import DATA
-from .dataset import STAGE as TOKENIZE_STAGE
+from . import rerun
+from .dataset import TrainingSet
 from .errors import PipelineError
-from .manifest import describe_target, describe_tokenizer, read_manifest, text_config, write_manifest
+from .manifest import MANIFEST, describe_tokenizer, write_manifest
 from .progress import Progress
-from .store import DirLock, clean_temp_files, move_aside
+from .store import ByteDigest, DirLock, clean_temp_files
 from .target import target_info
 
-MANIFEST_NAME = "manifest.json"
 DISK_MARGIN = 1.02  # headers, index, plan: a few per cent on top of the tensor bytes
 
 
@@ -44,10 +41,9 @@ DISK_MARGIN = 1.02  # headers, index, plan: a few per cent on top of the tensor 
 
 @dataclass
 class InputSet:
-    """The tokenized set, scanned once: ids in file order, lengths and byte offsets, sha256."""
-    directory: Path
-    path: Path
-    manifest: dict
+    """The tokenized set (dataset.TrainingSet), scanned once: ids in file order, lengths and byte
+    offsets, sha256 of exactly the bytes read; 02 also needs every sample non-empty and unique."""
+    data: TrainingSet
     ids: list[str] = field(default_factory=list)
     lengths: dict[str, int] = field(default_factory=dict)
     offsets: dict[str, int] = field(default_factory=dict)
@@ -57,62 +53,46 @@ class InputSet:
 
     @classmethod
     def open(cls, directory: Path) -> InputSet:
-        directory = Path(directory)
-        manifest = read_manifest(directory, TOKENIZE_STAGE)
-        path = directory / DATA
-        if not path.exists():
-            raise PipelineError(f"{path} is missing although its manifest says complete")
-        self = cls(directory, path, manifest)
-        h = hashlib.sha256()
-        off = 0
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                h.update(raw)
-                if raw.strip():
-                    rec = self._parse(raw, lineno)
-                    sid = str(rec["id"])
-                    if sid in self.lengths:
-                        raise PipelineError(f"{path}:{lineno}: duplicate sample id {sid!r}")
-                    self.ids.append(sid)
-                    self.lengths[sid] = len(rec["input_ids"])
-                    self.offsets[sid] = off
-                    self.max_token_id = max(self.max_token_id, max(rec["input_ids"]))
-                off += len(raw)
-        self.sha256, self.size = h.hexdigest(), off
+        self = cls(TrainingSet(directory))
+        read = ByteDigest()
+        for line in self.data.lines(digest=read):
+            rec, sid = line.record, str(line.record["id"])
+            where = f"{self.path}:{line.lineno}"
+            if not rec["input_ids"]:
+                raise PipelineError(f"{where}: sample {sid} has no tokens")
+            if sid in self.lengths:
+                raise PipelineError(f"{where}: duplicate sample id {sid!r}")
+            self.ids.append(sid)
+            self.lengths[sid] = len(rec["input_ids"])
+            self.offsets[sid] = line.offset
+            self.max_token_id = max(self.max_token_id, max(rec["input_ids"]))
+        self.sha256, self.size = read.hexdigest(), read.size
         if not self.ids:
-            raise PipelineError(f"{path} has no samples")
+            raise PipelineError(f"{self.path} has no samples")
         return self
 
-    def _parse(self, raw: bytes, lineno: int | str) -> dict:
-        try:
-            rec = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise PipelineError(f"{self.path}:{lineno}: malformed JSON line") from None
-        for key in ("id", "input_ids", "loss_mask"):
-            if not isinstance(rec, dict) or key not in rec:
-                raise PipelineError(f"{self.path}:{lineno}: record has no {key!r}")
-        if len(rec["input_ids"]) != len(rec["loss_mask"]):
-            raise PipelineError(f"{self.path}:{lineno}: sample {rec['id']} has {len(rec['input_ids'])} "
-                                f"input_ids but {len(rec['loss_mask'])} loss_mask entries")
-        if not rec["input_ids"]:
-            raise PipelineError(f"{self.path}:{lineno}: sample {rec['id']} has no tokens")
-        return rec
+    @property
+    def directory(self) -> Path:
+        return self.data.directory
+
+    @property
+    def path(self) -> Path:
+        return self.data.path
+
+    @property
+    def manifest(self) -> dict:
+        return self.data.manifest
 
     @property
     def tokenizer(self) -> dict:
-        return self.manifest.get("tokenizer") or {}
+        return self.data.tokenizer
 
     @property
     def tokens(self) -> int:
         return sum(self.lengths.values())
 
     def records(self, ids: Sequence[str]) -> list[dict]:
-        out = []
-        with open(self.path, "rb") as f:
-            for sid in ids:
-                f.seek(self.offsets[sid])
-                out.append(self._parse(f.readline(), f"offset {self.offsets[sid]}"))
-        return out
+        return self.data.records_at(self.offsets[sid] for sid in ids)
 
     def expected(self, sid: str) -> tuple[list | None, list | None]:
         if sid not in self.offsets:
@@ -147,185 +127,20 @@ def parse_layers(spec: str | None, num_layers: int) -> list[int]:
     return ids
 
 
-# ----------------------------------------------------------------------------- hf backend
-
-def find_stack(model, num_layers: int):
-    """(decoder module, its layer list, its final norm) of the language model inside `model`
-    (works through multimodal wrappers such as Kimi-K2.5's)."""
-    found = []
-    for name, mod in model.named_modules():
-        layers = getattr(mod, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList) and len(layers) == num_layers and hasattr(mod, "norm"):
-            found.append((name, mod))
-    if not found:
-        raise PipelineError(f"cannot find a stack of {num_layers} decoder layers with a final norm "
-                            f"in {type(model).__name__}")
-    # A multimodal wrapper may have a vision tower with the same shape; prefer the language model.
-    found.sort(key=lambda nm: ("vision" in nm[0] or "visual" in nm[0], len(nm[0])))
-    mod = found[0][1]
-    return mod, mod.layers, mod.norm
-
-
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    if torch.cuda.is_available():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    return "cpu"
-
-
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return hs.DTYPES[name]
-
-
-class HFTarget:
-    """The target in transformers, with pre-hooks that keep only the layers EAGLE-3 needs."""
-
-    def __init__(self, path: str, *, num_layers: int, aux_ids: Sequence[int], storage: str, topk: int,
-                 dtype: torch.dtype, device: str, device_map: str | None = None):
-        from transformers import AutoModelForCausalLM
-
-        kw = {"dtype": dtype, "trust_remote_code": True}
-        if device_map:
-            kw["device_map"] = device_map
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, **kw)
-        except (OSError, ValueError) as e:
-            raise PipelineError(f"cannot load target {path!r}: {str(e).splitlines()[0]}") from None
-        if not device_map:
-            model.to(device)
-        self.model = model.eval()
-        self.num_layers = num_layers
-        self.aux_ids = list(aux_ids)
-        self.topk = topk if storage == "fp8-topk" else 0
-        self.base, layers, self.norm = find_stack(model, num_layers)
-        self.lm_head = model.get_output_embeddings().weight if self.topk else None
-        self.layers = layers
-        self._captured: dict[int, torch.Tensor] = {}
-        self._handles = []
-        self.install_hooks()
-        self.input_device = model.get_input_embeddings().weight.device
-
-    def install_hooks(self) -> None:
-        """One pre-hook per needed id: on layer i (its input) and, for id N, on the final norm."""
-        self.remove_hooks()
-        need = set(self.aux_ids) | (set() if self.topk else {self.num_layers})
-        for i in sorted(need):
-            mod = self.norm if i == self.num_layers else self.layers[i]
-            self._handles.append(mod.register_forward_pre_hook(self._hook(i), with_kwargs=True))
-
-    def _hook(self, layer_id: int):
-        def pre_hook(module, args, kwargs):
-            self._captured[layer_id] = args[0] if args else kwargs["hidden_states"]
-        return pre_hook
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    @staticmethod
-    def pad(records: Sequence[dict]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        lens = [len(r["input_ids"]) for r in records]
-        T = max(lens)
-        ids = torch.zeros(len(records), T, dtype=torch.long)
-        valid = torch.zeros(len(records), T, dtype=torch.bool)
-        for b, r in enumerate(records):
-            ids[b, : lens[b]] = torch.tensor(r["input_ids"], dtype=torch.long)
-            valid[b, : lens[b]] = True
-        return ids, (None if bool(valid.all()) else valid.long()), valid
-
-    @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None):
-        return self.base(input_ids=ids.to(self.input_device),
-                         attention_mask=None if mask is None else mask.to(self.input_device),
-                         use_cache=False)
-
-    @torch.inference_mode()
-    def run(self, records: Sequence[dict]) -> dict:
-        """{'aux' [M, n_aux, H], 'last' [M, H] or 'topk' (ids, logprobs)} on the CPU, M = the
-        records' tokens concatenated in order (padding removed)."""
-        ids, mask, valid = self.pad(records)
-        self._captured.clear()
-        try:
-            out = self.forward(ids, mask)
-            rows = {i: t[valid.to(t.device)].cpu() for i, t in self._captured.items()}
-            result = {"aux": torch.stack([rows[i] for i in self.aux_ids], dim=1)}
-            if self.topk:
-                post = out.last_hidden_state[valid.to(out.last_hidden_state.device)]
-                result["topk"] = topk_logprobs(post, self.lm_head, self.topk)
-            else:
-                result["last"] = rows[self.num_layers]
-        finally:
-            self._captured.clear()
-        return result
-
-
-def topk_logprobs(h: torch.Tensor, weight: torch.Tensor, k: int, budget: int = 1 << 28
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of log_softmax(h @ weight.T) per row, in row chunks so that a 160K vocabulary never
-    needs more than `budget` logits at once. `h` is the *normed* final hidden state."""
-    step = max(1, budget // weight.shape[0])
-    ids, lps = [], []
-    for a in range(0, h.shape[0], step):
-        logits = torch.nn.functional.linear(h[a: a + step].to(weight.device, weight.dtype), weight).float()
-        v, i = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
-        ids.append(i.cpu())
-        lps.append(v.cpu())
-    return torch.cat(ids), torch.cat(lps)
-
-
-def token_batches(records: Sequence[dict], batch_tokens: int, max_batch_size: int) -> Iterator[list[dict]]:
-    """Consecutive records grouped so that batch size x longest length <= batch_tokens."""
-    batch: list[dict] = []
-    longest = 0
-    for r in records:
-        n = len(r["input_ids"])
-        if batch and (len(batch) >= max_batch_size or (len(batch) + 1) * max(longest, n) > batch_tokens):
-            yield batch
-            batch, longest = [], 0
-        batch.append(r)
-        longest = max(longest, n)
-    if batch:
-        yield batch
-
-
-class HFBackend:
-    name = "hf"
-
-    def __init__(self, args, *, num_layers: int, aux_ids: Sequence[int], max_len: int | None = None):
-        device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, device)
-        self.args = args
-        self.target = HFTarget(args.model, num_layers=num_layers, aux_ids=aux_ids, storage=args.storage,
-                               topk=args.topk, dtype=self.dtype, device=device, device_map=args.device_map)
-
-    def batches(self, records):
-        return token_batches(records, self.args.batch_tokens, self.args.max_batch_size)
-
-    def run(self, records):
-        return self.target.run(records)
-
-    def close(self):
-        self.target.remove_hooks()
-
-
 # ----------------------------------------------------------------------------- driver
 
-def rank_and_world(args) -> tuple[int, int]:
-    rank = args.rank if args.rank is not None else int(os.environ.get("RANK", 0))
-    world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+def rank_and_world(cfg) -> tuple[int, int]:
+    rank = cfg.rank if cfg.rank is not None else int(os.environ.get("RANK", 0))
+    world = cfg.world_size if cfg.world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
     if world < 1 or not 0 <= rank < world:
         raise PipelineError(f"--rank {rank} must lie in 0..{world - 1} (--world-size {world})")
     return rank, world
 
 
-def check_tokenizer(args, inp: InputSet) -> dict:
+def check_tokenizer(cfg, inp: InputSet) -> dict:
     from .tokenization import load_tokenizer
 
-    name = args.tokenizer or args.model
+    name = cfg.tokenizer or cfg.model
     ours = describe_tokenizer(load_tokenizer(name), name)
     theirs = inp.tokenizer.get("fingerprint")
     if theirs is None:
@@ -370,46 +185,44 @@ def validate(out: Path, plan: dict, inp: InputSet | None, *, storage: str, n_aux
     return bad
 
 
-def run(args, *, backend_factory=None) -> int:
-    """The whole stage for one process (rank). Returns the exit code."""
-    rank, world = rank_and_world(args)
-    out = Path(args.output)
-    if args.overwrite and world > 1:
+def run(cfg, *, backend_factory=None) -> int:
+    """The whole stage for one process (rank), for an ExtractConfig. Returns the exit code."""
+    rank, world = rank_and_world(cfg)
+    out = cfg.output_dir
+    checking = cfg.validate_only or cfg.repair
+    if cfg.overwrite and world > 1:
         raise PipelineError("--overwrite moves the output aside, which several ranks cannot do together; "
                             "run once with a single process and --overwrite, or move it yourself")
-    if (args.validate or args.repair) and not (out / hs.PLAN).exists():
+    if checking and not (out / hs.PLAN).exists():
         raise PipelineError(f"{out} holds no extraction (no {hs.PLAN}): nothing to validate")
     out.mkdir(parents=True, exist_ok=True)
     lock = DirLock(out, hs.STAGE) if world == 1 else DirLock(out / ".locks" / f"rank-{rank}", hs.STAGE)
     with lock:
-        if args.overwrite and not (args.validate or args.repair) and (old := move_aside(out)):
-            print(f"moved the previous output to {old}", file=sys.stderr)
-        return _run_locked(args, out, rank, world, backend_factory)
+        return _run_locked(cfg, out, rank, world, backend_factory, overwrite=cfg.overwrite and not checking)
 
 
-def _run_locked(args, out: Path, rank: int, world: int, backend_factory) -> int:
-    inp = InputSet.open(args.input)
-    target, cfg = target_info(args.model)
-    tokenizer = check_tokenizer(args, inp)
-    N, H = int(cfg.num_hidden_layers), int(cfg.hidden_size)
-    if inp.max_token_id >= int(cfg.vocab_size):
-        raise PipelineError(f"{inp.path} has token id {inp.max_token_id}, outside the target's vocabulary "
-                            f"of {cfg.vocab_size}")
-    aux_ids = parse_layers(args.layers, N)
-    if args.storage not in hs.STORAGES:
-        raise PipelineError(f"--storage {args.storage!r}: choose one of {', '.join(hs.STORAGES)}")
-    topk = args.topk if args.storage == "fp8-topk" else 0
-    if topk > int(cfg.vocab_size):
-        raise PipelineError(f"--topk {topk} exceeds the target's vocabulary of {cfg.vocab_size}")
-    bpt = hs.bytes_per_token(args.storage, len(aux_ids), H, topk)
-    storage = hs.describe_storage(args.storage, len(aux_ids), H, topk)
-    key = {"input_sha256": inp.sha256, "target": target, "aux_layer_ids": aux_ids,
-           "storage": args.storage, "topk": topk, "shard_tokens": hs.shard_tokens_for(args.shard_mb, bpt)}
-    plan = hs.load_or_create_plan(out, key, lambda: hs.make_plan(
-        [(sid, inp.lengths[sid]) for sid in inp.ids], key["shard_tokens"]))
-    vcheck = {"storage": args.storage, "n_aux": len(aux_ids), "hidden": H, "topk": topk}
+def _run_locked(cfg, out: Path, rank: int, world: int, backend_factory, *, overwrite: bool) -> int:
+    inp = InputSet.open(cfg.input)
+    target, tcfg = target_info(cfg.model)
+    tokenizer = check_tokenizer(cfg, inp)
+    N, H, V = int(tcfg.num_hidden_layers), int(tcfg.hidden_size), int(tcfg.vocab_size)
+    if inp.max_token_id >= V:
+        raise PipelineError(f"{inp.path} has token id {inp.max_token_id}, outside the target's vocabulary of {V}")
+    aux_ids = parse_layers(cfg.layers, N)
+    topk = cfg.topk if cfg.storage == "fp8-topk" else 0
+    if topk > V:
+        raise PipelineError(f"--topk {topk} exceeds the target's vocabulary of {V}")
+    bpt = hs.bytes_per_token(cfg.storage, len(aux_ids), H, topk)
+    storage = hs.describe_storage(cfg.storage, len(aux_ids), H, topk)
+    # What the shards are made of, as resolved against the input and the target.
+    made_of = {"input_sha256": inp.sha256, "target": target, "aux_layer_ids": aux_ids, "topk": topk,
+               "shard_tokens": hs.shard_tokens_for(cfg.shard_mb, bpt)}
+    rerun.prepare(cfg, made_of, overwrite=overwrite, log=lambda m: print(m, file=sys.stderr))
+    plan = hs.load_or_create_plan(out, lambda: hs.make_plan(
+        [(sid, inp.lengths[sid]) for sid in inp.ids], made_of["shard_tokens"]))
+    vcheck = {"storage": cfg.storage, "n_aux": len(aux_ids), "hidden": H, "topk": topk}
 
-    if args.validate:
+    if cfg.validate_only:
         bad = validate(out, plan, inp, **vcheck)
         if bad:
             first = next(iter(bad.items()))
@@ -420,24 +233,24 @@ def _run_locked(args, out: Path, rank: int, world: int, backend_factory) -> int:
         return 0
 
     mine = [s for s in plan["shards"] if s["k"] % world == rank]
-    if args.repair:
+    if cfg.repair:
         committed = hs.committed_shards(out)
         bad = validate(out, plan, inp, shards=[s["k"] for s in mine if s["k"] in committed], **vcheck)
         if bad:
             with contextlib.suppress(FileNotFoundError):
-                (out / MANIFEST_NAME).unlink()
+                (out / MANIFEST).unlink()
             hs.drop_shards(out, sorted(bad), index=hs.index_name(rank, world))
             print(f"repair: {len(bad)} bad shard(s) moved aside and will be redone: "
                   + ", ".join(hs.shard_name(k) for k in sorted(bad)), file=sys.stderr)
 
     committed = hs.committed_shards(out)
     pending = [s for s in mine if s["k"] not in committed]
-    if not pending and (out / MANIFEST_NAME).exists():
+    if not pending and (out / MANIFEST).exists():
         print(f"{out} is already complete ({plan['samples']} samples); nothing to do")
         return 0
     need = sum(s["tokens"] for s in pending) * bpt
-    disk_check(out, need, force=args.force,
-               what=f"{sum(s['tokens'] for s in pending)} tokens x {bpt} bytes/token ({args.storage})")
+    disk_check(out, need, force=cfg.force,
+               what=f"{sum(s['tokens'] for s in pending)} tokens x {bpt} bytes/token ({cfg.storage})")
 
     if pending:
         if world == 1:
@@ -447,10 +260,10 @@ def _run_locked(args, out: Path, rank: int, world: int, backend_factory) -> int:
                 with contextlib.suppress(FileNotFoundError):
                     (out / f"{hs.TMP_PREFIX}{hs.shard_name(s['k'])}").unlink()
         factory = backend_factory or make_backend
-        backend = factory(args, num_layers=N, aux_ids=aux_ids, max_len=max(inp.lengths.values()))
+        backend = factory(cfg, num_layers=N, aux_ids=aux_ids, max_len=max(inp.lengths.values()))
         try:
-            extract_shards(backend, inp, pending, out, storage=args.storage, aux_ids=aux_ids, N=N,
-                           index=hs.index_name(rank, world))
+            extract_shards(backend, inp, pending, out, storage=cfg.storage, aux_ids=aux_ids, N=N,
+                           index=hs.index_name(rank, world), progress_every=cfg.progress_every)
         finally:
             backend.close()
 
@@ -464,33 +277,33 @@ def _run_locked(args, out: Path, rank: int, world: int, backend_factory) -> int:
     counts = {"samples": plan["samples"], "tokens": plan["tokens"], "shards": len(entries),
               "bytes": sum(e["bytes"] for e in entries),
               "supervised_tokens": inp.manifest.get("counts", {}).get("supervised_tokens")}
-    write_manifest(out, hs.STAGE, config=vars(args), inputs={"training_set": inp.describe()},
+    write_manifest(out, hs.STAGE, config=cfg.to_dict(), inputs={"training_set": inp.describe()},
                    outputs={"shards": [e["shard"] for e in entries]}, counts=counts,
                    target=target, tokenizer=tokenizer, layer_ids=[*aux_ids, N], aux_layer_ids=aux_ids,
                    last_layer_id=N, hidden_size=H, storage=storage, dtype=storage.get("aux"),
-                   backend=args.backend, layer_convention=("id i = residual stream entering layer i; "
+                   backend=cfg.backend, layer_convention=("id i = residual stream entering layer i; "
                                                            f"id {N} = last layer output before the final norm"))
     print(f"wrote {len(entries)} shards ({hs.human_bytes(counts['bytes'])}, {counts['tokens']} tokens, "
           f"{bpt} bytes/token) to {out}")
     return 0
 
 
-def make_backend(args, *, num_layers: int, aux_ids: Sequence[int], max_len: int | None = None):
-    if args.backend == "hf":
-        return HFBackend(args, num_layers=num_layers, aux_ids=aux_ids)
-    if args.backend == "vllm":
+def make_backend(cfg, *, num_layers: int, aux_ids: Sequence[int], max_len: int | None = None):
+    if cfg.backend == "vllm":
         from .vllm_extract import VllmBackend
 
-        return VllmBackend(args, num_layers=num_layers, aux_ids=aux_ids, max_len=max_len)
-    raise PipelineError(f"--backend {args.backend!r}: choose hf or vllm")
+        return VllmBackend(cfg, num_layers=num_layers, aux_ids=aux_ids, max_len=max_len)
+    from .extract_hf import HFBackend
+
+    return HFBackend(cfg, num_layers=num_layers, aux_ids=aux_ids)
 
 
 def extract_shards(backend, inp: InputSet, shards: Sequence[dict], out: Path, *, storage: str,
-                   aux_ids: Sequence[int], N: int, index: str) -> None:
+                   aux_ids: Sequence[int], N: int, index: str, progress_every: float = 30.0) -> None:
     """Compute and commit `shards` in order; the write of shard k overlaps the compute of k+1."""
     total = sum(len(s["ids"]) for s in shards)
     meta = {"storage": storage, "layer_ids": [*aux_ids, N]}
-    with Progress("02 extract", total, unit="sample", log_path=out / "progress.log") as bar, \
+    with Progress("02 extract", total, unit="sample", log_path=out / "progress.log", every_s=progress_every) as bar, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
         writing: Future | None = None
         for shard in shards:

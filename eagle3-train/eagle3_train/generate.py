@@ -4,7 +4,7 @@ Output directory:
   raw_responses.jsonl  one record per answered id (see DESIGN.md), appended as each completes
   errors.jsonl         ids with no answer yet and why (after a run: each failed id once, and no
                        id that is also in raw_responses.jsonl)
-  run_config.json      what defines the data (input, model, sampling): a resume must match it
+  run.json             what defines the data (input, model, sampling): a resume must match it (rerun.py)
   progress.log         a plain line every --progress-every seconds, for `tail -f`
   manifest.json        written last; only then is the output complete
 
@@ -21,28 +21,22 @@ import datetime as _dt
 import hashlib
 import json
 import signal
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import rerun
 from .client import ChatClient
 from .config import GENERATE
+from .configs.generate import ERRORS, PROGRESS_LOG, RAW
 from .errors import PipelineError
 from .manifest import MANIFEST, describe_file, write_manifest
 from .progress import Progress
 from .prompts import Prompt, load_prompts, parse_shard
-from .store import DirLock, JsonlWriter, atomic_write_json, atomic_write_text, clean_temp_files, \
-    pending_ids, read_jsonl
+from .store import DirLock, JsonlWriter, atomic_write_text, clean_temp_files, pending_ids, read_jsonl
 
 STAGE = GENERATE
-RAW = "raw_responses.jsonl"
-ERRORS = "errors.jsonl"
-RUN_CONFIG = "run_config.json"
-PROGRESS_LOG = "progress.log"
-# What makes records one data set. Endpoints, concurrency, timeout, retries, --limit and --shard
-# only decide how and how much is generated, so they may change between a run and its resume.
-IDENTITY_KEYS = ("input", "split", "dataset_config", "model", "max_tokens", "temperature", "top_p",
-                 "seed", "chat_template_kwargs", "extra_body")
 
 
 def _now() -> str:
@@ -78,42 +72,11 @@ def sampling_for(args, pid: str) -> dict:
             "seed": sample_seed(args.seed, pid)}
 
 
-def identity(args, input_desc: dict) -> dict:
-    src = input_desc.get("path") or input_desc.get("name") or args.input
-    return {"input": src, "split": args.split if input_desc.get("kind") == "dataset" else None,
-            "dataset_config": args.dataset_config, "model": args.model, "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
-            "chat_template_kwargs": args.chat_template_kwargs or {}, "extra_body": args.extra_body or {}}
-
-
-# ----------------------------------------------------------------------------- output directory
-
-def move_aside(out_dir: Path) -> Path | None:
-    """--overwrite: the old output goes to `replaced-<time>/` inside the directory, never deleted."""
-    from .store import move_aside as move
-
-    return move(out_dir, [RAW, ERRORS, RUN_CONFIG, PROGRESS_LOG, MANIFEST, "tokenized"])
-
-
-def check_identity(out_dir: Path, ident: dict) -> None:
-    """Refuse to mix data sets in one directory, naming the first differing key and both values."""
-    path = out_dir / RUN_CONFIG
-    if not path.exists():
-        if (out_dir / RAW).exists() and (out_dir / RAW).stat().st_size:
-            raise PipelineError(f"{out_dir} has {RAW} but no {RUN_CONFIG}: not written by this stage? "
-                                "use another --output-dir, or --overwrite to move it aside")
-        atomic_write_json(path, ident)
-        return
-    try:
-        old = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        raise PipelineError(f"{path} is not valid JSON; fix it or pass --overwrite") from None
-    for key in IDENTITY_KEYS:
-        if old.get(key) != ident.get(key):
-            raise PipelineError(
-                f"{out_dir} holds answers made with {key}={old.get(key)!r}, but this run uses "
-                f"{key}={ident.get(key)!r}; rerun with the same value, use another --output-dir, "
-                "or pass --overwrite (moves the old output aside)")
+def source_identity(cfg, input_desc: dict) -> dict:
+    """The prompts as resolved (the file's path or the dataset's name; the split of a dataset only),
+    so a rerun naming the same source another way resumes."""
+    src = input_desc.get("path") or input_desc.get("name") or cfg.input
+    return {"input": src, "split": cfg.split if input_desc.get("kind") == "dataset" else None}
 
 
 def compact_errors(path: Path, committed: set[str]) -> dict[str, dict]:
@@ -257,18 +220,14 @@ async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progre
 
 
 def run_generation(args) -> RunResult:
-    """The whole stage for parsed args (see 01b_generate_synthetic.py)."""
-    out_dir = Path(args.output_dir)
+    """The whole stage for a GenerateConfig (see 01b_generate_synthetic.py)."""
+    out_dir = args.output_dir
     shard = parse_shard(args.shard)
     with DirLock(out_dir, STAGE):
         clean_temp_files(out_dir)
-        if args.overwrite:
-            moved = move_aside(out_dir)
-            if moved:
-                print(f"--overwrite: moved the previous output to {moved}")
         ps = load_prompts(args.input, split=args.split, config=args.dataset_config, limit=args.limit,
                           shard=shard, id_key=args.id_field, skip_invalid=args.skip_invalid)
-        check_identity(out_dir, identity(args, ps.source))
+        rerun.prepare(args, source_identity(args, ps.source))
         raw_path, err_path = out_dir / RAW, out_dir / ERRORS
         JsonlWriter(raw_path).close()  # repairs a torn tail left by kill -9 before we read it
         committed = set(committed_ids(raw_path))
@@ -301,6 +260,31 @@ def run_generation(args) -> RunResult:
                          stats["failed"], stats["tokens"])
 
 
+def run_stage(cfg) -> int:
+    """01b end to end: generate, then (with --tokenize) tokenize; returns the exit code (0 all
+    answered, 1 some ids still failed, 130/143 stopped by a signal)."""
+    res = run_generation(cfg)
+    if res.interrupted:
+        print(f"01b stopped by {res.interrupted}: {res.answered}/{res.requested} answered so far; "
+              "rerun the same command to resume", file=sys.stderr)
+        return 143 if res.interrupted == "SIGTERM" else 130
+    print(f"01b: {res.answered}/{res.requested} answered ({res.new_answers} this run, "
+          f"{res.tokens} tokens), {res.failed} failed -> {cfg.output_dir / RAW}")
+    if cfg.tokenize:
+        from .dataset import build_training_set
+        from .tokenization import chat_format_from_args
+
+        fmt = chat_format_from_args(cfg, default_tokenizer=cfg.model)
+        build_training_set(cfg.output_dir, cfg.output_dir / "tokenized", fmt,
+                           tokenizer_name=cfg.tokenizer or cfg.model, max_seq_len=cfg.max_seq_len,
+                           loss_on=cfg.loss_on, keep_length=cfg.keep_length, progress_every=cfg.progress_every)
+    if res.failed:
+        print(f"{res.failed} ids failed after retries (reasons in errors.jsonl); "
+              "rerun the same command to retry them", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: dict) -> None:
     finish, prompt_tokens, gen_tokens = Counter(), 0, 0
     requested = set(ps.ids)
@@ -310,11 +294,8 @@ def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: 
             prompt_tokens += len(rec.get("prompt_token_ids") or ())
             gen_tokens += len(rec.get("token_ids") or ())
     error_types = Counter(r.get("error_type") for r in read_jsonl(out_dir / ERRORS))
-    config = {k: v for k, v in vars(args).items() if not callable(v)}
-    if config.get("api_key") not in (None, "EMPTY"):
-        config["api_key"] = "<redacted>"
     write_manifest(
-        out_dir, STAGE, config=config, inputs={"prompts": ps.describe()},
+        out_dir, STAGE, config=args.to_dict(), inputs={"prompts": ps.describe()},
         outputs={"raw_responses": describe_file(out_dir / RAW),
                  "errors": describe_file(out_dir / ERRORS) if (out_dir / ERRORS).exists() else None},
         counts={"requested": len(ps.ids), "answered": answered, "failed": failed,
@@ -324,4 +305,4 @@ def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: 
                 "this_run": {"answered": stats["answered"], "failed": stats["failed"],
                              "retries": stats["retries"]}},
         target={"model": args.model, "base_urls": list(args.base_url)},
-        identity=identity(args, ps.source))
+        identity={**args.identity(), **source_identity(args, ps.source)})

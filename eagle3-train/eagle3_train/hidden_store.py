@@ -222,25 +222,17 @@ def make_plan(samples: Sequence[tuple[str, int]], shard_tokens: int) -> list[dic
     return shards
 
 
-def load_or_create_plan(directory: Path, key: dict, make: Callable[[], list[dict]]) -> dict:
-    """The plan made at the first run. A rerun with other settings (`key`) is refused, naming the
-    first differing setting, because its shards would not match the ones already written."""
+def load_or_create_plan(directory: Path, make: Callable[[], list[dict]]) -> dict:
+    """The plan made at the first run, read back on every resume. Whether a rerun may resume (the
+    same input, target, layers and storage) is rerun.py's question, asked before this."""
     path = Path(directory) / PLAN
     if path.exists():
         try:
-            plan = json.loads(path.read_text())
+            return json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise PipelineError(f"{path} is not valid JSON ({e.msg}); pass --overwrite to start over") from None
-        old = plan.get("key", {})
-        for name in sorted(set(old) | set(key)):
-            if old.get(name) != key.get(name):
-                raise PipelineError(
-                    f"{directory} was started with {name}={old.get(name)!r}, this run has "
-                    f"{name}={key.get(name)!r}; rerun with the same settings to resume, or pass "
-                    "--overwrite to move the old output aside")
-        return plan
     shards = make()
-    plan = {"version": PLAN_VERSION, "key": key, "shards": shards,
+    plan = {"version": PLAN_VERSION, "shards": shards,
             "samples": sum(len(s["ids"]) for s in shards), "tokens": sum(s["tokens"] for s in shards)}
     atomic_write_json(path, plan)
     return plan

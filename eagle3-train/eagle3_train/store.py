@@ -148,6 +148,21 @@ def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+class ByteDigest:
+    """sha256 and byte count of what a reader fed it (jsonl_lines' `digest`)."""
+
+    def __init__(self):
+        self._h = hashlib.sha256()
+        self.size = 0
+
+    def update(self, data: bytes) -> None:
+        self._h.update(data)
+        self.size += len(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 def json_sha256(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 

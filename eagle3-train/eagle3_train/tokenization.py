@@ -14,8 +14,6 @@ difference is reported, never silently accepted.
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -250,27 +248,6 @@ def tokenize_sample(sample: dict, fmt: ChatFormat, *, max_seq_len: int | None = 
 
 # ----------------------------------------------------------------------------- command line
 
-def add_tokenization_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    g = parser.add_argument_group("tokenization (shared by every stage)")
-    g.add_argument("--tokenizer", default=None,
-                   help="tokenizer path or name (default: the target model's)")
-    g.add_argument("--think-start-id", type=int, default=None,
-                   help="override the <think> token id (default: looked up by string)")
-    g.add_argument("--think-end-id", type=int, default=None,
-                   help="override the </think> token id (default: looked up by string)")
-    g.add_argument("--end-of-turn-id", type=int, default=None,
-                   help="override the end-of-turn id (default: <|im_end|>/<|eot_id|>/..., else EOS)")
-    g.add_argument("--no-reasoning", action="store_true",
-                   help="the target does not reason: no think tokens expected (default: it does)")
-    g.add_argument("--chat-template-kwargs", type=json.loads, default={},
-                   help='JSON passed to the chat template, e.g. \'{"thinking": false}\' (default: {})')
-    g.add_argument("--max-seq-len", type=int, default=8192,
-                   help="truncate training sequences to this many tokens (default: 8192)")
-    g.add_argument("--loss-on", choices=("final", "all"), default="final",
-                   help="supervise the final assistant turn or every assistant turn (default: final)")
-    return g
-
-
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
@@ -281,6 +258,7 @@ def load_tokenizer(name_or_path: str):
 
 
 def chat_format_from_args(args, default_tokenizer: str | None = None) -> ChatFormat:
+    """The ChatFormat of a config holding configs.tokenize.TokenizeSettings."""
     name = args.tokenizer or default_tokenizer
     if not name:
         raise PipelineError("no tokenizer: pass --tokenizer (or --model)")

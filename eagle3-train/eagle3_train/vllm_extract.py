@@ -182,7 +182,7 @@ class CheckpointHead:
         return min(keys, key=len) if keys else None
 
     def __call__(self, last: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from .extract import topk_logprobs
+        from .extract_hf import topk_logprobs
 
         # As HF's RMSNorm: normalise in fp32, cast back to the input dtype, then scale.
         x = last.to(self.device)
@@ -205,7 +205,7 @@ class VllmBackend:
         _, cfg = target_info(args.model)
         self.hidden_size = int(cfg.hidden_size)
         self.layer_ids = vllm_layer_ids(aux_ids, num_layers)
-        out = Path(args.output)
+        out = Path(args.output_dir)
         self.own_dir = args.hidden_states_dir is None
         self.hidden_dir = Path(args.hidden_states_dir or out / ".vllm-requests").resolve()
         self.hidden_dir.mkdir(parents=True, exist_ok=True)
