@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from eagle3_train.configs.train import TrainConfig
 from eagle3_train.errors import run_main
 
 
@@ -25,10 +26,9 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer ids, got {text!r}") from None
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None) -> TrainConfig:
     """Flags, types and groups here; each default and help text comes from TrainConfig's field."""
-    from eagle3_train.train import TrainConfig as C
-
+    C = TrainConfig
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("inputs")
     g.add_argument("--hidden-states", **C.arg("hidden_states"))
@@ -83,20 +83,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--log-every", type=int, **C.arg("log_every"))
     g.add_argument("--progress-every", type=float, **C.arg("progress_every"))
     g.add_argument("--quiet", action="store_true", **C.arg("quiet"))
-    return p.parse_args(argv)
-
-
-def config(argv=None):
-    """The arguments as 04's TrainConfig (validated: a bad value is one error line)."""
-    from eagle3_train.train import TrainConfig
-
-    return TrainConfig.from_args(parse_args(argv))
+    return C.from_args(p.parse_args(argv))
 
 
 def main(argv=None) -> int:
+    config = parse_args(argv)  # a bad setting is one error line, before torch is imported
     from eagle3_train.train import run
 
-    run(config(argv))
+    run(config)
     return 0
 
 

@@ -18,6 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
+from eagle3_train.configs.evaluate import EvalConfig
 from eagle3_train.errors import run_main
 
 
@@ -31,10 +32,9 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
-def parse_args(argv=None):
+def parse_args(argv=None) -> EvalConfig:
     """Flags, types and groups here; each default and help text comes from EvalConfig's field."""
-    from eagle3_train.evaluate import EvalConfig as C
-
+    C = EvalConfig
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("inputs and output")
     g.add_argument("--draft", type=Path, **C.arg("draft"))
@@ -66,20 +66,14 @@ def parse_args(argv=None):
     g.add_argument("--reasoning-parser", **C.arg("reasoning_parser"))
     g.add_argument("--startup-timeout", type=float, **C.arg("startup_timeout"))
     g.add_argument("--server-arg", action="append", **C.arg("server_arg"))
-    return p.parse_args(argv)
-
-
-def config(argv=None):
-    """The arguments as 05's EvalConfig (validated: a bad value is one error line)."""
-    from eagle3_train.evaluate import EvalConfig
-
-    return EvalConfig.from_args(parse_args(argv))
+    return C.from_args(p.parse_args(argv))
 
 
 def main(argv=None) -> int:
+    config = parse_args(argv)  # a bad setting is one error line, before torch is imported
     from eagle3_train.evaluate import run
 
-    print(run(config(argv)), end="")
+    print(run(config), end="")
     return 0
 
 

@@ -99,7 +99,7 @@ def run_ours(work: Path, hs: Path, vocab: Path, target: Path, args, k: int) -> d
             "--max-tokens-per-batch", str(args.max_tokens), "--ttt-steps", str(args.ttt_steps),
             "--val-fraction", "0", "--epochs", "1", "--save-every", "1000000", "--log-every", "1000000",
             "--lr", "1e-3", "--attn", "sdpa", "--loss-impl", "eager", "--quiet", "--overwrite"]
-    run(stage("04_train").config(argv))
+    run(stage("04_train").parse_args(argv))
     # One record for the whole epoch: tokens and the loop's wall time, first batch's load included,
     # the final checkpoint/export not (speculators' train_epoch does neither).
     rec = read_metrics(out)["train"][-1]

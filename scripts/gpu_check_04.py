@@ -57,7 +57,7 @@ def train_once(work: Path, hs: Path, vocab: Path, target: Path, args, name: str,
             "--max-steps", str(args.steps), "--epochs", "50", "--val-fraction", "0.05", "--save-every",
             str(args.steps), "--log-every", "1", "--lr", "3e-3", "--device", "cuda", "--quiet", *extra]
     t0 = time.perf_counter()
-    run(load(REPO / "eagle3-train" / "04_train.py", "stage_04").config(argv))
+    run(load(REPO / "eagle3-train" / "04_train.py", "stage_04").parse_args(argv))
     wall = time.perf_counter() - t0
     m = read_metrics(out)
     recs = m["train"][2:]  # the first steps compile kernels

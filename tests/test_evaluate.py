@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3_train.errors import PipelineError
 from eagle3_train.evaluate.draft import load_draft, load_target_head
 from eagle3_train.evaluate.offline import draft_step_tokens, offline_eval
 from eagle3_train.evaluate.online import spec_config, spec_counters, spec_delta
-from eagle3_train.errors import PipelineError
 from eagle3_train.hidden_store import HiddenStates
 from helpers_draft import make_greedy_store, make_random_draft
 

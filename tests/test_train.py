@@ -12,15 +12,16 @@ from helpers import load_script
 from helpers_train import build_store, train_inputs
 from safetensors.torch import load_file
 
-from eagle3_train.train import STAGE, run
+from eagle3_train.configs.train import METRICS, STAGE
+from eagle3_train.errors import PipelineError
+from eagle3_train.train import run
 from eagle3_train.train.checkpoint import checkpoints
 from eagle3_train.train.data import collate, pack, split_ids
 from eagle3_train.train.dist import Dist
 from eagle3_train.train.inputs import open_inputs
-from eagle3_train.train.metrics import METRICS, read_metrics
+from eagle3_train.train.metrics import read_metrics
 from eagle3_train.train.model import build_model
 from eagle3_train.train.objective import Objective, alignment, prepare
-from eagle3_train.errors import PipelineError
 
 stage = load_script("04_train")
 
@@ -38,7 +39,7 @@ def argv(inputs, out, *extra):
 
 
 def train(inputs, out, *extra, on_step=None):
-    return run(stage.config(argv(inputs, out, *extra)), on_step=on_step)
+    return run(stage.parse_args(argv(inputs, out, *extra)), on_step=on_step)
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +197,7 @@ def test_topk_targets_give_the_same_loss_as_hidden_states(inputs, tmp_path, llam
 
     topk_store = build_store(tmp_path / "topk", llama_target_dir, n=20, shard_size=7, topk=500)
     dense, sparse = HiddenStates(inputs["store"]), HiddenStates(topk_store)
-    config = stage.config(argv(inputs, tmp_path / "x"))
+    config = stage.parse_args(argv(inputs, tmp_path / "x"))
     inp = open_inputs(config)
     model = build_model(config, inp, Dist())
     draft, head, core = model.draft, model.head, model.objective
@@ -211,7 +212,7 @@ def test_topk_targets_give_the_same_loss_as_hidden_states(inputs, tmp_path, llam
     assert torch.equal(m1["loss_cnt"], m2["loss_cnt"])
     torch.testing.assert_close(loss2, loss1, rtol=2e-3, atol=2e-3)
     # ... and a run on the top-k store trains end to end.
-    man = run(stage.config(argv({**inputs, "store": topk_store}, tmp_path / "run", "--max-steps", "3")))
+    man = run(stage.parse_args(argv({**inputs, "store": topk_store}, tmp_path / "run", "--max-steps", "3")))
     assert man["counts"]["steps"] == 3 and (tmp_path / "run" / "export" / "model.safetensors").exists()
 
 
@@ -286,7 +287,7 @@ def test_trains_on_inputs_from_the_real_02_and_03_stages(tmp_path, llama_target_
         ["--data", str(data), "--target", str(llama_target_dir), "--out", str(tmp_path / "vocab"),
          "--draft-vocab-size", "80"])
     inp = {"store": tmp_path / "hs", "map": tmp_path / "vocab", "target": llama_target_dir}
-    man = run(stage.config(argv(inp, tmp_path / "run", "--max-steps", "2", "--val-fraction", "0.2")))
+    man = run(stage.parse_args(argv(inp, tmp_path / "run", "--max-steps", "2", "--val-fraction", "0.2")))
     assert man["counts"]["steps"] == 2
     cfg = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 80

@@ -49,7 +49,7 @@ def torchrun(inputs, out, *extra) -> None:
 def accumulated(inputs):
     """One process, two batches per step (what two DDP ranks see together)."""
     out = inputs["root"] / "accum"
-    run(stage.config(argv(inputs, out, "--grad-accum", "2", "--threads", "1")))
+    run(stage.parse_args(argv(inputs, out, "--grad-accum", "2", "--threads", "1")))
     return out
 
 

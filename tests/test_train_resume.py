@@ -41,7 +41,7 @@ def argv(inputs, out):
 @pytest.fixture(scope="module")
 def reference(inputs):
     out = inputs["root"] / "reference"
-    run(stage.config(argv(inputs, out)))
+    run(stage.parse_args(argv(inputs, out)))
     return out
 
 
@@ -67,7 +67,7 @@ def kill_then_resume(inputs, reference, out: Path, kill_after_step: int, extra_d
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert not (out / "manifest.json").exists()
-    run(stage.config(argv(inputs, out)))
+    run(stage.parse_args(argv(inputs, out)))
     ref, got = read_metrics(reference), read_metrics(out)
     assert [r["step"] for r in got["train"]] == [r["step"] for r in ref["train"]]
     for a, b in zip(ref["train"], got["train"]):

@@ -1,6 +1,6 @@
-"""05_evaluate as a package: `run(EvalConfig.from_args(args))`.
+"""05_evaluate as a package: `run(config)`, config a configs.evaluate.EvalConfig (every setting,
+validated once, which may change on resume).
 
-  config.py    EvalConfig: every setting, validated once, which may change on resume
   run.py       run(): the checks, the parts (offline, each arm) kept once finished, the manifest
   draft.py     04's export: checked, identified, loaded; the target's head for its greedy tokens
   offline.py   the draft over held-out store samples against the target's greedy tokens
@@ -8,7 +8,6 @@
   report.py    report.json, report.md, acceptance.png
 """
 
-from .config import EvalConfig
 from .run import run
 
-__all__ = ["EvalConfig", "run"]
+__all__ = ["run"]

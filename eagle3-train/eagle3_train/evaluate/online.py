@@ -11,10 +11,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..configs.evaluate import ARMS
 from ..errors import PipelineError
 from ..progress import Progress
 
-ARMS = ("eagle3", "none", "ngram")
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"

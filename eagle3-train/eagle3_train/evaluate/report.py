@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import EVALUATE
+from ..configs.evaluate import ARMS
 from ..store import atomic_write_bytes, atomic_write_json, atomic_write_text
-from .online import ARMS
 
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "acceptance.png"
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..configs.evaluate import EvalConfig
 from ..errors import PipelineError
 from ..manifest import describe_file, require_match
 from ..store import atomic_write_json, json_sha256
-from .config import EvalConfig
 from .draft import describe_draft, draft_k, draft_target, load_draft, load_target_head, read_draft_config
 from .offline import check_store, heldout_ids, offline_eval
 from .online import run_arm

@@ -1,6 +1,6 @@
-"""04_train as a package: `run(TrainConfig.from_args(args))`.
+"""04_train as a package: `run(config)`, config a configs.train.TrainConfig (every setting,
+validated once, which may change on resume).
 
-  config.py      TrainConfig: every setting, validated once, which may change on resume
   inputs.py      the store, mapping and target, checked to belong together; their identity
   data.py        the by-id split, packing, collation, the plan of batches per step
   model.py       the draft made from the config, the target head, the objective as processes share it
@@ -12,7 +12,6 @@
   export.py      the speculators-format export and the manifest
 """
 
-from .config import STAGE, TrainConfig
 from .loop import run
 
-__all__ = ["STAGE", "TrainConfig", "run"]
+__all__ = ["run"]

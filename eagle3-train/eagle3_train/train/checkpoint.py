@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..configs.train import CKPT_DIR
 from ..store import TMP_PREFIX, atomic_dir_commit, atomic_write_json
 from .dist import Dist
-from .config import CKPT_DIR
 from .metrics import read_metrics
 
 COMPLETE = "COMPLETE"

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..configs.train import TrainConfig
 from ..errors import PipelineError
 from ..hidden_checks import read_sample
-from .config import TrainConfig
 
 
 def split_ids(ids: list[str], lengths: dict[str, int], val_fraction: float,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from ..configs.train import EXPORT, METRICS, STAGE
 from ..draft import export_draft, load_target_weights
 from ..manifest import describe_target, write_manifest
-from .config import EXPORT, METRICS, STAGE
 from .metrics import plot_curves, read_metrics
 from .model import make_draft
 

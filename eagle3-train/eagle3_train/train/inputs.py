@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
+from ..configs.train import TrainConfig
 from ..errors import PipelineError
 from ..hidden_checks import check_shards, read_sample
 from ..manifest import describe_target, manifest_identity, require_match, text_config
-from .config import TrainConfig
 
 TARGET_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
 

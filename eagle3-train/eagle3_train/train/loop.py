@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
+from ..configs.train import CKPT_DIR, EXPORT, STAGE, TrainConfig
 from ..draft import lr_lambda
 from ..manifest import MANIFEST, read_manifest
 from ..progress import Progress
 from .checkpoint import Checkpointer
-from .config import CKPT_DIR, EXPORT, STAGE, TrainConfig
 from .data import Loader, make_plan
 from .dist import Dist, setup_dist
 from .inputs import Inputs, input_identity, open_inputs

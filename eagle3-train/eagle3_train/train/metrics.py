@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from ..acceptance import merge, summarize
+from ..configs.train import METRICS
 from ..progress import Progress
 from ..store import JsonlWriter, atomic_write_bytes, read_jsonl
-from .config import METRICS
 
 
 class Meter:

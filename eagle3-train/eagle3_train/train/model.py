@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .. import draft as D
-from .config import TrainConfig
+from ..configs.train import TrainConfig
 from .dist import Dist, wrap
 from .inputs import Inputs
 from .objective import Objective

@@ -1,4 +1,4 @@
-"""04's settings: one typed config, built once from the arguments, validated here and nowhere else,
+"""04_train's settings: one typed config, built once from the arguments, validated here and nowhere else,
 saved in run.json and the manifest. Each field's help is its docstring and its flag's help text;
 `resume=True` marks what may differ when a run is resumed (it does not change the trajectory)."""
 

@@ -1,4 +1,4 @@
-"""05's settings: one typed config, built once from the arguments and validated here. The paths
+"""05_evaluate's settings: one typed config, built once from the arguments and validated here. The paths
 and server addresses may change on a resume (`resume=True`): what they point at is identified by
 content in run.json's inputs (the draft's hashes, the store's manifest, the prompts)."""
 
@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..config import EVALUATE, StageConfig, require, setting
-from .online import ARMS
+
+ARMS = ("eagle3", "none", "ngram")  # 05's online arms: the draft, no speculation, prompt lookup
 
 
 @dataclass(kw_only=True)
