@@ -92,7 +92,7 @@ def test_two_01b_processes_one_is_refused_and_the_other_completes(tmp_path, capf
                 assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.stderr else ""
                 time.sleep(0.05)
             res = run_inprocess(SCRIPTS["01b"], argv01b(prompts, out, fs.url), capfd)
-            assert_one_error_line(res, "in use by another process", "01b pid")
+            assert_one_error_line(res, "in use by another process", "01b_generate_synthetic pid")
             _, err = first.communicate(timeout=180)
         finally:
             if first.poll() is None:
