@@ -3,9 +3,7 @@ report/manifest/resume contract, bad inputs, and the online path against real vL
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,16 +11,8 @@ import torch
 from eagle3_train import evaluate as ev
 from eagle3_train.errors import PipelineError
 from eagle3_train.hidden_store import HiddenStates
+from helpers import load_script
 from helpers_draft import make_greedy_store, make_random_draft
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name.replace("-", "_"), REPO / "eagle3-train" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
