@@ -14,19 +14,20 @@ from helpers import TINY_TRAIN, load_script, train_argv
 def replicate_training_set(src: Path, dst: Path, times: int) -> Path:
     """A bigger tokenized set made cheaply: every record of `src` `times` times under new ids, with
     src's manifest (tokenizer, chat format) carried over, so stages have work worth interrupting."""
+    from eagle3_train.dataset import DATA, STAGE
     from eagle3_train.manifest import read_manifest, write_manifest
     from eagle3_train.store import JsonlWriter, read_jsonl
 
     src, dst = Path(src), Path(dst)
-    m = read_manifest(src, "tokenize")
-    recs = list(read_jsonl(src / "data.jsonl"))
-    with JsonlWriter(dst / "data.jsonl", fsync=False) as w:
+    m = read_manifest(src, STAGE)
+    recs = list(read_jsonl(src / DATA))
+    with JsonlWriter(dst / DATA, fsync=False) as w:
         for r in range(times):
             for rec in recs:
                 w.write({**rec, "id": f"{rec['id']}-r{r}"})
     keep = {k: v for k, v in m.items() if k in ("tokenizer", "chat_format")}
     counts = {k: (v * times if isinstance(v, int) else v) for k, v in m.get("counts", {}).items()}
-    write_manifest(dst, "tokenize", config={**m.get("config", {}), "replicated": times}, counts=counts, **keep)
+    write_manifest(dst, STAGE, config={**m.get("config", {}), "replicated": times}, counts=counts, **keep)
     return dst
 
 
