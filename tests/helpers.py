@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "eagle3-train"
+
 
 def make_training_set(directory: Path, tokenizer_dir: Path, n: int = 12, seed: int = 0, *,
                       max_seq_len: int | None = None, id_prefix: str = "s") -> Path:
@@ -15,12 +18,42 @@ def make_training_set(directory: Path, tokenizer_dir: Path, n: int = 12, seed: i
                                   max_seq_len=max_seq_len)
 
 
+def script_path(name: str) -> Path:
+    """A numbered stage script by name ('04_train'), for subprocesses and torchrun."""
+    return SCRIPTS / f"{name}.py"
+
+
 def load_script(name: str):
     """A numbered stage script (e.g. '02_extract_hidden_states') as a module, to call its main()."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "eagle3-train" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"stage_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"stage_{name}", script_path(name))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+# What the CPU tests of 04 train with: a few tiny steps, a checkpoint every 3, every step logged.
+TINY_TRAIN = {"max_tokens_per_batch": 256, "ttt_steps": 3, "val_fraction": 0.25, "save_every": 3,
+              "log_every": 1, "epochs": 2, "lr": "3e-3", "quiet": True, "threads": 1}
+
+
+def train_argv(store: Path, mapping: Path, target: Path, out: Path, *extra, preset: dict = TINY_TRAIN,
+               **flags) -> list[str]:
+    """04_train's argv: its three inputs and output directory, then `preset` updated by `flags`
+    (keyword = flag with `_` for `-`; True: a bare switch; None or False: left out), then `extra`
+    as given (raw flags, e.g. `"--max-steps", "2"`)."""
+    argv = ["--hidden-states", str(store), "--vocab-mapping", str(mapping), "--target", str(target),
+            "--out", str(out)]
+    for key, value in {**preset, **flags}.items():
+        if value is None or value is False:
+            continue
+        argv.append("--" + key.replace("_", "-"))
+        if value is not True:
+            argv.append(str(value))
+    return [*argv, *map(str, extra)]
+
+
+def inputs_argv(inputs: dict, out: Path, *extra, **flags) -> list[str]:
+    """train_argv for the dict helpers_train.train_inputs returns."""
+    return train_argv(inputs["store"], inputs["map"], inputs["target"], out, *extra, **flags)

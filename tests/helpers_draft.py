@@ -53,7 +53,7 @@ def make_greedy_store(out_dir: Path, target_dir: Path, *, n: int = 6, seed: int 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle3_train.hidden_store import STAGE, write_shard
+    from eagle3_train.hidden_store import STAGE, describe_storage, write_shard
     from eagle3_train.manifest import describe_target, describe_tokenizer, write_manifest
     from eagle3_train.tiny import synthetic_examples
     from helpers_train import target_features
@@ -81,7 +81,8 @@ def make_greedy_store(out_dir: Path, target_dir: Path, *, n: int = 6, seed: int 
             samples.append({"id": f"{id_prefix}{seed}-{i:03d}", "length": len(full)})
     write_shard(out_dir, 0, samples, {k: torch.cat(v) for k, v in rows.items()})
     write_manifest(out_dir, STAGE, config={"n": n, "seed": seed}, layer_ids=[*aux_ids, nl], aux_layer_ids=aux_ids,
-                   hidden_size=model.config.hidden_size, storage={"format": "fp32", "last": "hidden"},
+                   hidden_size=model.config.hidden_size,
+                   storage=describe_storage("fp32", len(aux_ids), model.config.hidden_size),
                    target=describe_target(model.config, str(target_dir)),
                    tokenizer=describe_tokenizer(tok, str(target_dir)),
                    counts={"samples": n, "tokens": sum(s["length"] for s in samples)})

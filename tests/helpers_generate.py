@@ -11,10 +11,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO, script_path
+
 FAULT_SERVER = REPO / "scripts" / "fault_server.py"
-GEN = REPO / "eagle3-train" / "01b_generate_synthetic.py"
-TOKENIZE = REPO / "eagle3-train" / "01c_tokenize.py"
+GEN = script_path("01b_generate_synthetic")
+TOKENIZE = script_path("01c_tokenize")
 
 
 class FaultServer:

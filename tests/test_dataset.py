@@ -8,6 +8,7 @@ import pytest
 
 from eagle3_train.dataset import DATA, TrainingSet, build_training_set
 from eagle3_train.errors import PipelineError
+from eagle3_train.generate import STAGE as GEN_STAGE
 from eagle3_train.manifest import tokenizer_fingerprint, write_manifest
 from eagle3_train.store import JsonlWriter, file_sha256
 from eagle3_train.tiny import synthetic_examples
@@ -39,7 +40,7 @@ def raw_dir(tmp_path, records, complete=True):
         for r in records:
             w.write(r)
     if complete:
-        write_manifest(d, "01b_generate_synthetic", config={"model": "tiny"}, counts={"records_in_file": len(records)},
+        write_manifest(d, GEN_STAGE, config={"model": "tiny"}, counts={"records_in_file": len(records)},
                        target={"model": "tiny"})
     return d
 

@@ -3,9 +3,7 @@ report/manifest/resume contract, bad inputs, and the online path against real vL
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,16 +13,8 @@ from eagle3_train.evaluate.draft import load_draft, load_target_head
 from eagle3_train.evaluate.offline import draft_step_tokens, offline_eval
 from eagle3_train.evaluate.online import spec_config, spec_counters, spec_delta
 from eagle3_train.hidden_store import HiddenStates
+from helpers import load_script
 from helpers_draft import make_greedy_store, make_random_draft
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name.replace("-", "_"), REPO / "eagle3-train" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")

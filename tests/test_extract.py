@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_script, make_training_set
+from helpers import load_script, make_training_set, script_path
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -22,8 +22,7 @@ from eagle3_train import hidden_store as hs
 from eagle3_train.errors import PipelineError
 from eagle3_train.manifest import read_manifest
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "eagle3-train" / "02_extract_hidden_states.py"
+SCRIPT = script_path("02_extract_hidden_states")
 stage = load_script("02_extract_hidden_states")
 
 

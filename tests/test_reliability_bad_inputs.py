@@ -349,9 +349,7 @@ def put_nan(p: Path, val: set[str]) -> None:
 
 def run_04_05(stage: str, chain: Chain, store: Path, out: Path, capfd) -> Result:
     if stage == "04":
-        argv = chain.argv04(out)
-        argv[argv.index("--hidden-states") + 1] = str(store)
-        return run_inprocess("04_train", argv, capfd)
+        return run_inprocess("04_train", chain.argv04(out, hs=store), capfd)
     return run_inprocess("05_evaluate", ["--draft", chain.run / "export", "--store", store, "--output-dir", out], capfd)
 
 

@@ -12,16 +12,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import make_training_set
-from reliability import (HS_ARGS, TRAIN_ARGS, assert_one_error_line, chain, fault_server, load_stage,  # noqa: F401
-                         run_inprocess)
+from helpers import load_script, make_training_set, train_argv
+from reliability import CHAIN_TRAIN, HS_ARGS, assert_one_error_line, chain, fault_server, run_inprocess  # noqa: F401
 
 from eagle3_train.manifest import describe_target, manifest_identity, tokenizer_fingerprint
 from eagle3_train.store import file_sha256
 
 
 def ok(script: str, argv) -> None:
-    assert load_stage(script).main([str(a) for a in argv]) == 0
+    assert load_script(script).main([str(a) for a in argv]) == 0
 
 
 def manifest(d: Path) -> dict:
@@ -113,16 +112,15 @@ def test_04_refuses_a_vocab_mapping_built_for_another_target(real, tmp_path, cap
     other = tmp_path / "vocab-deepseek"
     ok("03_build_vocab_mapping", ["--data", real["tok"], "--target", deepseek_target_dir, "--out", other,
                                   "--draft-vocab-size", "100"])
-    res = run_inprocess("04_train", ["--hidden-states", real["hs"], "--vocab-mapping", other,
-                                     "--target", real["target"], "--out", tmp_path / "run", *TRAIN_ARGS], capfd)
+    res = run_inprocess("04_train", train_argv(real["hs"], other, real["target"], tmp_path / "run",
+                                               preset=CHAIN_TRAIN), capfd)
     assert_one_error_line(res, "target", "deepseek_v3", "llama", str(other))
     assert not (tmp_path / "run" / "manifest.json").exists()
 
 
 def test_04_refuses_layer_ids_the_store_does_not_hold(real, tmp_path, capfd):
-    res = run_inprocess("04_train", ["--hidden-states", real["hs"], "--vocab-mapping", real["vocab"],
-                                     "--target", real["target"], "--out", tmp_path / "run", *TRAIN_ARGS,
-                                     "--aux-layer-ids", "1,3,6"], capfd)
+    res = run_inprocess("04_train", train_argv(real["hs"], real["vocab"], real["target"], tmp_path / "run",
+                                               preset=CHAIN_TRAIN, aux_layer_ids="1,3,6"), capfd)
     assert_one_error_line(res, "layer ids", "[2, 4, 5]", "[1, 3, 6]")
 
 
@@ -162,8 +160,7 @@ def test_the_next_stage_refuses_an_unfinished_output(link, real, tmp_path, capfd
         "01c": ("01c_tokenize", ["--raw-dir", d["gen"], "--output-dir", out, "--tokenizer", k25_tokenizer_dir]),
         "02": ("02_extract_hidden_states", ["--input", d["tok"], "--model", real["target"], "--output", out, *HS_ARGS]),
         "03": ("03_build_vocab_mapping", ["--data", d["tok"], "--target", real["target"], "--out", out]),
-        "04": ("04_train", ["--hidden-states", d["hs"], "--vocab-mapping", d["vocab"], "--target", real["target"],
-                            "--out", out, *TRAIN_ARGS]),
+        "04": ("04_train", train_argv(d["hs"], d["vocab"], real["target"], out, preset=CHAIN_TRAIN)),
         "05": ("05_evaluate", ["--draft", d["run"] / "export", "--store", d["hs"], "--output-dir", out]),
     }[down]
     res = run_inprocess(*argv, capfd)

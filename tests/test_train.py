@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import load_script
+from helpers import inputs_argv, load_script
 from helpers_train import build_store, train_inputs
 from safetensors.torch import load_file
 
@@ -32,10 +32,7 @@ def inputs(tmp_path_factory, llama_target_dir):
 
 
 def argv(inputs, out, *extra):
-    return ["--hidden-states", str(inputs["store"]), "--vocab-mapping", str(inputs["map"]),
-            "--target", str(inputs["target"]), "--out", str(out), "--max-tokens-per-batch", "256",
-            "--ttt-steps", "3", "--val-fraction", "0.25", "--save-every", "3", "--log-every", "1",
-            "--epochs", "2", "--lr", "3e-3", "--quiet", "--threads", "1", *extra]
+    return inputs_argv(inputs, out, *extra)
 
 
 def train(inputs, out, *extra, on_step=None):

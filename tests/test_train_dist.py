@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_script
+from helpers import inputs_argv, load_script, script_path
 from helpers_train import train_inputs
 from safetensors.torch import load_file
 
@@ -19,8 +19,7 @@ from eagle3_train.train.checkpoint import checkpoints
 from eagle3_train.train.metrics import read_metrics
 from eagle3_train.vllm_server import free_port
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "eagle3-train" / "04_train.py"
+SCRIPT = script_path("04_train")
 stage = load_script("04_train")
 
 
@@ -30,10 +29,7 @@ def inputs(tmp_path_factory, llama_target_dir):
 
 
 def argv(inputs, out, *extra):
-    return ["--hidden-states", str(inputs["store"]), "--vocab-mapping", str(inputs["map"]),
-            "--target", str(inputs["target"]), "--out", str(out), "--max-tokens-per-batch", "192",
-            "--ttt-steps", "3", "--val-fraction", "0.25", "--save-every", "2", "--log-every", "1",
-            "--epochs", "2", "--lr", "3e-3", "--quiet", *extra]
+    return inputs_argv(inputs, out, *extra, max_tokens_per_batch=192, save_every=2, threads=None)
 
 
 def torchrun(inputs, out, *extra) -> None:

@@ -14,15 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_script
+from helpers import inputs_argv, load_script, script_path
 from helpers_train import train_inputs
 from safetensors.torch import load_file
 
 from eagle3_train.train import run
 from eagle3_train.train.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "eagle3-train" / "04_train.py"
+SCRIPT = script_path("04_train")
 stage = load_script("04_train")
 
 
@@ -32,10 +31,7 @@ def inputs(tmp_path_factory, llama_target_dir):
 
 
 def argv(inputs, out):
-    return ["--hidden-states", str(inputs["store"]), "--vocab-mapping", str(inputs["map"]),
-            "--target", str(inputs["target"]), "--out", str(out), "--max-tokens-per-batch", "160",
-            "--ttt-steps", "3", "--val-fraction", "0.2", "--save-every", "3", "--log-every", "1",
-            "--epochs", "3", "--lr", "3e-3", "--quiet", "--threads", "1", "--keep-last", "1"]
+    return inputs_argv(inputs, out, max_tokens_per_batch=160, val_fraction=0.2, epochs=3, keep_last=1)
 
 
 @pytest.fixture(scope="module")

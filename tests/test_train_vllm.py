@@ -10,13 +10,13 @@ import json
 import time
 
 import pytest
-from helpers import load_script, make_training_set
+from helpers import load_script, make_training_set, train_argv
 
 pytestmark = pytest.mark.vllm
 
 # The small config the demo can afford on 2 cores (see README, 04 section).
-TRAIN_ARGS = ["--max-tokens-per-batch", "1024", "--ttt-steps", "3", "--epochs", "3", "--lr", "3e-3",
-              "--val-fraction", "0.05", "--save-every", "40", "--log-every", "5", "--quiet"]
+AL_TRAIN = {"max_tokens_per_batch": 1024, "ttt_steps": 3, "epochs": 3, "lr": "3e-3", "val_fraction": 0.05,
+            "save_every": 40, "log_every": 5, "quiet": True}
 
 
 def spec_counts(metrics: dict) -> tuple[float, float]:
@@ -58,8 +58,7 @@ def trained(tmp_path_factory, tiny_reasoner_dir):
          "--draft-vocab-size", "128"])
     t0 = time.monotonic()
     stage = load_script("04_train")
-    stage.main(["--hidden-states", str(root / "hs"), "--vocab-mapping", str(root / "vocab"),
-                "--target", str(tiny_reasoner_dir), "--out", str(root / "run"), *TRAIN_ARGS])
+    stage.main(train_argv(root / "hs", root / "vocab", tiny_reasoner_dir, root / "run", preset=AL_TRAIN))
     return {"run": root / "run", "train_s": time.monotonic() - t0}
 
 
@@ -82,10 +81,9 @@ def test_narrow_draft_export_is_served_by_vllm(trained, tiny_reasoner_dir, tmp_p
     src = trained["run"]
     man = json.loads((src / "manifest.json").read_text())
     cfg = man["config"]
-    stage.main(["--hidden-states", cfg["hidden_states"], "--vocab-mapping", cfg["vocab_mapping"],
-                "--target", str(tiny_reasoner_dir), "--out", str(tmp_path / "narrow"),
-                "--draft-hidden-size", "32", "--draft-heads", "1", "--draft-kv-heads", "1",
-                "--max-steps", "2", "--ttt-steps", "2", "--quiet"])
+    stage.main(train_argv(cfg["hidden_states"], cfg["vocab_mapping"], tiny_reasoner_dir, tmp_path / "narrow",
+                          preset={}, draft_hidden_size=32, draft_heads=1, draft_kv_heads=1, max_steps=2,
+                          ttt_steps=2, quiet=True))
     export = tmp_path / "narrow" / "export"
     assert json.loads((export / "config.json").read_text())["transformer_layer_config"]["hidden_size"] == 32
     r = serve_and_measure(tiny_reasoner_dir, export, ["What is 12 + 30?"], max_tokens=40)

@@ -17,9 +17,9 @@ from eagle3_train.errors import PipelineError, run_main
 from eagle3_train.manifest import describe_file
 from eagle3_train.store import read_jsonl
 from eagle3_train.tokenization import ChatFormat
-from helpers import load_script, make_training_set
+from helpers import load_script, make_training_set, script_path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "eagle3-train" / "03_build_vocab_mapping.py"
+SCRIPT = script_path("03_build_vocab_mapping")
 stage03 = load_script("03_build_vocab_mapping")
 
 
