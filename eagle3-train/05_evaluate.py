@@ -128,6 +128,8 @@ def main(argv=None):
         clean_temp_files(out / ev.ARMS_DIR)
         ev.check_run(out, run)
         offline = ev.load_part(out / ev.OFFLINE) if store else None
+        if offline and "al_all_positions" not in offline:  # counted at every position (before vLLM's walk)
+            offline = None
         if store and offline is None:
             print(f"[05] offline: {len(ids)} samples ({selection}), K={k}", flush=True)
             model = ev.load_draft(args.draft, target)

@@ -2,7 +2,9 @@
 
 Offline (no server): the draft runs over held-out samples of the 02 store exactly as vLLM runs it
 (target features at t and token t+1 in, K chained proposals out) and each proposal is compared with
-the target's own greedy token; acceptance is the chain rule of `acceptance.chain_acceptance`.
+the target's own greedy token; acceptance is the chain rule of `acceptance.chain_acceptance`,
+counted where vLLM drafts (its walk: after the prefill token, then accepted + 1 on), so the
+offline AL is the figure vLLM reports; `al_all_positions` is the every-position average.
 
 Online: a real vLLM server per arm -- `eagle3` (the draft), `none` (no speculation), `ngram`
 (prompt lookup) -- the same held-out prompts and sampling settings in every arm, at a few
@@ -470,8 +472,8 @@ def render_markdown(rep: dict) -> str:
               "|---|---|" + "---|" * rep["k"]]
     if off:
         which = "held-out " if off.get("heldout") else ""
-        lines.append(f"| offline ({off['samples']} {which}samples) | {off['acceptance_length']:.3f} | "
-                     + " | ".join(f"{x:.3f}" for x in off["cumulative"]) + " |")
+        lines.append(f"| offline ({off['samples']} {which}samples, {off['drafts']} drafts) | "
+                     f"{off['acceptance_length']:.3f} | " + " | ".join(f"{x:.3f}" for x in off["cumulative"]) + " |")
     for arm in ("eagle3", "ngram"):
         s = arms.get(arm, {}).get("spec")
         if s:
@@ -494,6 +496,10 @@ def render_markdown(rep: dict) -> str:
                                  + (f" ({sp:.2f}x)" if sp else ""))
                 lines.append(f"| {arm} | " + " | ".join(cells) + " |")
         lines.append("")
+    if off and off.get("al_all_positions") is not None:
+        lines.append(f"Offline AL {off['acceptance_length']:.3f} counts drafts where vLLM makes them (after "
+                     f"each accepted run and bonus token); a draft at every position would give "
+                     f"{off['al_all_positions']:.3f} (al_all_positions).")
     if off and off.get("data_matches_greedy") is not None and off["data_matches_greedy"] < 0.99:
         lines.append(f"Note: only {off['data_matches_greedy']:.1%} of the stored tokens are the target's "
                      "greedy choice (sampled data), so offline acceptance is an estimate.")

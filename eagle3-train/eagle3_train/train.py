@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .acceptance import chain_acceptance, draft_correctness, merge, summarize
+from .acceptance import chain_acceptance, draft_correctness, empty, flatten, merge, summarize, unflatten
 from .draft import unroll
 from .errors import PipelineError
 from .manifest import (MANIFEST, describe_target, manifest_identity, read_manifest,
@@ -137,7 +137,7 @@ def open_inputs(args, dtype: torch.dtype = torch.float32) -> Inputs:
     layer_ids = store.layer_ids
     require_match("last layer id", tc.num_hidden_layers, layer_ids[-1], source=str(store.directory))
     stored_aux = list(sm.get("aux_layer_ids") or layer_ids[:-1])
-    aux_ids = list(args.aux_layer_ids) if args.aux_layer_ids else stored_aux
+    aux_ids = _aux_ids(args.aux_layer_ids, stored_aux, tc.num_hidden_layers, store.directory)
     missing = [i for i in aux_ids if i not in stored_aux]
     if missing:
         raise PipelineError(f"layer ids mismatch: {store.directory} holds aux layers {stored_aux}, "
@@ -153,6 +153,24 @@ def open_inputs(args, dtype: torch.dtype = torch.float32) -> Inputs:
     target = str(Path(args.target).resolve()) if Path(args.target).exists() else args.target
     return Inputs(store, mapping, target, target_cfg, aux_ids,
                   [stored_aux.index(i) for i in aux_ids], topk)
+
+
+def _aux_ids(asked, stored: list[int], num_layers: int, where) -> list[int]:
+    """The draft's aux layers in the order vLLM gathers them (ascending, each once): --aux-layer-ids
+    is checked like 02's --layers; a store with a repeated id (an older 02's small-target default)
+    is refused, since vLLM would hand the draft fewer states than its fc expects."""
+    from .extract import check_layers
+
+    if asked:
+        return check_layers(list(asked), num_layers, flag="--aux-layer-ids")
+    if len(set(stored)) != len(stored) or 0 in stored:
+        raise PipelineError(f"{where} holds aux layers {stored}, which vLLM cannot serve (a repeat or id 0: "
+                            f"it gathers layers 1..N, each once); re-run 02 or pass --aux-layer-ids "
+                            f"{','.join(str(i) for i in sorted(set(stored) - {0}))}")
+    if stored != sorted(stored):
+        print(f"{where} holds aux layers {stored}; the draft reads them as {sorted(stored)} "
+              "(vLLM gathers them in ascending order)")
+    return sorted(stored)
 
 
 def check_shards(directory: Path) -> None:
@@ -273,7 +291,7 @@ def collate(store, ids: list[str], cap: int, aux_index: list[int], pad_to: int |
         n = len(s.input_ids)
         if n - 1 > cap:
             n, truncated = cap + 1, truncated + 1
-        aux = s.aux[:n, aux_index] if len(aux_index) != s.aux.shape[1] else s.aux[:n]
+        aux = s.aux[:n] if aux_index == list(range(s.aux.shape[1])) else s.aux[:n, aux_index]
         parts["aux"].append(aux[:-1].flatten(1))
         parts["ids"].append(s.input_ids[1:n])
         parts["pos"].append(torch.arange(1, n))
@@ -442,20 +460,21 @@ class Meter:
     def reduce(self, d: Dist) -> dict:
         """Sums over ranks (every rank must call it)."""
         s = self.s
-        chain = s["chain"] or {"drafts": 0, "accepted": 0, "tried": [0] * self.steps, "hits": [0] * self.steps}
-        flat = [s["loss"], s["n"], s["tokens"], s["grad_norm"], chain["drafts"], chain["accepted"],
-                *s["loss_sum"], *s["loss_cnt"], *chain["tried"], *chain["hits"]]
+        chain = merge([s["chain"] or empty(self.steps)])
+        counts = flatten(chain)
+        flat = [s["loss"], s["n"], s["tokens"], s["grad_norm"], *s["loss_sum"], *s["loss_cnt"], *counts]
         t = d.sum(torch.tensor(flat, dtype=torch.float64, device=d.device)).tolist()
         k = self.steps
-        loss, n, tokens, gn, drafts, acc = t[:6]
-        ls, lc, tried, hits = t[6:6 + k], t[6 + k:6 + 2 * k], t[6 + 2 * k:6 + 3 * k], t[6 + 3 * k:6 + 4 * k]
-        rates = summarize({"drafts": int(drafts), "accepted": int(acc), "tried": [int(x) for x in tried],
-                           "hits": [int(x) for x in hits]})
+        loss, n, tokens, gn = t[:4]
+        ls, lc = t[4:4 + k], t[4 + k:4 + 2 * k]
+        rates = summarize(unflatten(t[4 + 2 * k:], k))
+        # acceptance_length / acc_cum / al_by_depth: vLLM's walk (what it would report);
+        # al_all_positions: a draft at every supervised position (higher when acceptance is bursty).
         return {"loss": loss / max(n, 1), "loss_by_step": [a / b if b else None for a, b in zip(ls, lc)],
                 "acc_cond": rates["conditional"], "acc_cum": rates["cumulative"],
-                "acceptance_length": rates["acceptance_length"],
-                "al_by_depth": [1 + sum(rates["cumulative"][: i + 1]) for i in range(k)],
-                "drafts": int(drafts), "tokens": int(tokens), "grad_norm": gn / max(n, 1)}
+                "acceptance_length": rates["acceptance_length"], "al_by_depth": rates["al_by_depth"],
+                "al_all_positions": rates["al_all_positions"], "acc_cum_all_positions": rates["cumulative_all_positions"],
+                "drafts": rates["drafts"], "tokens": int(tokens), "grad_norm": gn / max(n, 1)}
 
 
 def read_metrics(run_dir: Path) -> dict[str, list[dict]]:
@@ -464,6 +483,16 @@ def read_metrics(run_dir: Path) -> dict[str, list[dict]]:
     for rec in read_jsonl(Path(run_dir) / METRICS):
         out.setdefault(rec.get("kind", "?"), {})[rec.get("step", -1)] = rec
     return {k: [v[s] for s in sorted(v)] for k, v in out.items()}
+
+
+def validation_series(val: list[dict], k: int) -> list[tuple[str, str, list]]:
+    """(label, style, values) of the validation AL plot: vLLM's count with k draft tokens, with 3
+    when k > 3 (a common serving setting), and the every-position average for comparison."""
+    out = [(f"AL, {k} tokens (vLLM's count)", "o-", [r["acceptance_length"] for r in val])]
+    if k > 3:
+        out.append(("AL, 3 tokens (vLLM's count)", "s--", [(r.get("al_by_depth") or [None] * 3)[2] for r in val]))
+    out.append((f"AL, {k} tokens, a draft at every position", ":", [r.get("al_all_positions") for r in val]))
+    return out
 
 
 def plot_curves(run_dir: Path) -> Path | None:
@@ -490,9 +519,8 @@ def plot_curves(run_dir: Path) -> Path | None:
     axes[0, 1].legend(fontsize=7)
     if val:
         vs = [r["step"] for r in val]
-        axes[1, 0].plot(vs, [r["acceptance_length"] for r in val], "o-", label=f"AL, {k} tokens")
-        axes[1, 0].plot(vs, [r["al_by_depth"][min(2, k - 1)] for r in val], "s--",
-                        label=f"AL, {min(3, k)} tokens")
+        for label, style, ys in validation_series(val, k):
+            axes[1, 0].plot(vs, ys, style, label=label)
         axes[1, 0].legend(fontsize=7)
     axes[1, 0].set_title("validation: estimated acceptance length")
     axes[1, 1].plot(steps, [r["lr"] for r in train])
@@ -947,7 +975,7 @@ def _train(args, d: Dist, inp: Inputs, out: Path, identity: dict, on_step) -> di
                 if d.main:
                     rec = {"kind": "train", "step": step, "epoch": plan.locate(step - 1)[0], "lr": lr,
                            **{k: r[k] for k in ("loss", "loss_by_step", "acc_cond", "acc_cum",
-                                                "acceptance_length", "tokens", "grad_norm")},
+                                                "acceptance_length", "al_all_positions", "tokens", "grad_norm")},
                            "tokens_per_s": r["tokens"] / max(now - t_last, 1e-9),
                            "cpu_s": time.process_time() - cpu_last, "time": time.time()}
                     metrics.write(rec)
@@ -1021,7 +1049,7 @@ def _train(args, d: Dist, inp: Inputs, out: Path, identity: dict, on_step) -> di
 
 
 def _better(v: dict, best: dict) -> bool:
-    """Higher estimated acceptance wins; on a tie, the lower validation loss."""
+    """Higher acceptance length (as vLLM counts it: the walk) wins; on a tie, the lower loss."""
     if best.get("acceptance_length") is None:
         return True
     if v["acceptance_length"] != best["acceptance_length"]:
