@@ -27,6 +27,7 @@ import torch
 
 from . import hidden_store as hs
 from . import rerun
+from .hidden_checks import validate_shard
 from .dataset import TrainingSet
 from .errors import PipelineError
 from .manifest import MANIFEST, describe_tokenizer, write_manifest
@@ -217,7 +218,7 @@ def validate(out: Path, plan: dict, inp: InputSet | None, *, storage: str, n_aux
             if k not in committed:
                 bad[k] = ["not committed"]
             else:
-                problems = hs.validate_shard(out, committed[k], storage=storage, n_aux=n_aux, hidden=hidden,
+                problems = validate_shard(out, committed[k], storage=storage, n_aux=n_aux, hidden=hidden,
                                              topk=topk, expected=inp.expected if inp else None)
                 planned = plan["shards"][k]["ids"]
                 if committed[k]["ids"] != planned:
