@@ -67,13 +67,19 @@ def parse_args(argv=None) -> ExtractConfig:
     ck.add_argument("--force", action="store_true", **C.arg("force"))
     ck.add_argument("--validate", action="store_true", **C.arg("validate_only"))
     ck.add_argument("--repair", action="store_true", **C.arg("repair"))
+    ck.add_argument("--dry-run", action="store_true", **C.arg("dry_run"))
     return C.from_args(p.parse_args(argv))
 
 
 def main(argv=None) -> int:
+    config = parse_args(argv)
+    if config.dry_run:
+        from eagle3_train.planner import dry_run_extract
+
+        return dry_run_extract(config)
     from eagle3_train.extract import run
 
-    return run(parse_args(argv))
+    return run(config)
 
 
 if __name__ == "__main__":

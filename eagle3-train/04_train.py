@@ -83,11 +83,16 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--log-every", type=int, **C.arg("log_every"))
     g.add_argument("--progress-every", type=float, **C.arg("progress_every"))
     g.add_argument("--quiet", action="store_true", **C.arg("quiet"))
+    g.add_argument("--dry-run", action="store_true", **C.arg("dry_run"))
     return C.from_args(p.parse_args(argv))
 
 
 def main(argv=None) -> int:
     config = parse_args(argv)  # a bad setting is one error line, before torch is imported
+    if config.dry_run:
+        from eagle3_train.planner import dry_run_train
+
+        return dry_run_train(config)
     from eagle3_train.train import run
 
     run(config)

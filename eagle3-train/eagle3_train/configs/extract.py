@@ -84,6 +84,7 @@ class ExtractConfig(StageConfig):
     validate_only: bool = setting(False, resume=True, help=(
         "only re-read every shard: shapes, token ids vs the input, NaN/inf (exit 2 if bad)"))
     repair: bool = setting(False, resume=True, help="validate this rank's shards, move bad ones aside, then redo them")
+    dry_run: bool = setting(False, resume=True, help="print this stage's plan (disk, memory, hours) and exit, writing nothing")
 
     def validate(self):
         require(self.backend in BACKENDS, f"--backend {self.backend!r}: choose hf or vllm")

@@ -89,6 +89,8 @@ class TrainConfig(StageConfig):
     log_every: int = setting(10, help="metrics record every N steps", resume=True)
     progress_every: float = setting(30.0, help="seconds between progress.log lines", resume=True)
     quiet: bool = setting(False, help="no progress bar (default: off)", resume=True)
+    dry_run: bool = setting(False, help="print this stage's plan (memory, checkpoint, export) and exit, "
+                                        "writing nothing", resume=True)
 
     def validate(self) -> None:
         for name in ("ttt_steps", "max_tokens_per_batch", "grad_accum", "epochs", "save_every", "log_every",

@@ -1,0 +1,247 @@
+"""The run planner: from the target's config, the data and the flags, what each stage needs
+(disk, per-GPU memory, tokens, time) before anything runs. Pure arithmetic over shapes; no
+tensors are made. The formulas follow what the stages allocate (see each function); the rates
+are either given or the defaults below, each marked where it was measured or "assumed".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from .hidden_store import bytes_per_token
+
+GB = 1e9
+DISK_MARGIN = 1.02  # extract.DISK_MARGIN: headers, index, plan
+SHARD_HEADER = 4096  # safetensors header + the shard's JSON description, fixed part
+SAMPLE_META = 48  # per sample in a shard's description: its id, offset and length
+RAW_BYTES_PER_TOKEN = 4.5  # 01b JSONL: text of a BPE token (~4 chars) plus JSON escaping (assumed)
+
+# tok/s per stage, for the whole run (all GPUs); `source` says where the figure comes from.
+RATES = {
+    "01b": (8.0 * 1000, "assumed: 8 servers x ~1,000 output tok/s of 8K-token reasoning"),
+    "02": (3165.0, "measured: the original Kimi-K2.5 run's vLLM extraction (828 GB written)"),
+    "04": (40000.0, "assumed: 8 GPUs x ~5,000 tok/s for a one-layer draft at TTT 7"),
+    "05": (5000.0, "assumed"),
+}
+
+
+@dataclass
+class Shape:
+    """The target's text model, as the planner needs it."""
+    layers: int
+    hidden: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+    @classmethod
+    def from_config(cls, tc) -> Shape:
+        """From a transformers config (or any object with the same attributes: the text config)."""
+        g = (lambda k, d=None: tc.get(k, d)) if isinstance(tc, dict) else (lambda k, d=None: getattr(tc, k, d))
+        hidden, heads = int(g("hidden_size")), int(g("num_attention_heads"))
+        return cls(layers=int(g("num_hidden_layers")), hidden=hidden, vocab=int(g("vocab_size")), heads=heads,
+                   kv_heads=int(g("num_key_value_heads") or heads), head_dim=hidden // heads,  # as draft.layer_config
+                   intermediate=int(g("intermediate_size") or 3 * hidden))
+
+
+@dataclass
+class Flags:
+    samples: int
+    tokens_per_sample: float
+    storage: str = "bf16"
+    topk: int = 32
+    n_aux: int = 3
+    shard_mb: float = 1024.0
+    draft_vocab_size: int = 32000
+    max_tokens_per_batch: int = 4096
+    ttt_steps: int = 7
+    gpus: int = 8
+    gpu_memory_gb: float = 96.0
+    train_embeddings: bool = False
+    train_lm_head: bool = False
+    attn: str = "flex"  # flex: no S x S scores; sdpa/eager: dense scores per head
+    act_bytes: int = 2  # bf16 autocast on GPU; 4 on CPU
+    epochs: int = 1
+    head_chunk: int = 2048  # rows of full-vocabulary logits at a time (02's top-k head, 05's greedy)
+    raw_bytes_per_token: float = RAW_BYTES_PER_TOKEN
+    tokenized_bytes: int | None = None  # measured from --data instead of estimated
+    rates: dict | None = None
+
+
+def tokens(f: Flags) -> int:
+    return int(round(f.samples * f.tokens_per_sample))
+
+
+def raw_jsonl_bytes(f: Flags) -> int:
+    """01b's JSONL: the messages' text plus a few hundred bytes of fields per sample."""
+    return int(tokens(f) * f.raw_bytes_per_token + 400 * f.samples)
+
+
+def tokenized_jsonl_bytes(f: Flags, vocab: int) -> int:
+    """01c's data.jsonl: `input_ids` as decimal digits + ',' and `loss_mask` as '0,'/'1,' per token."""
+    if f.tokenized_bytes is not None:
+        return f.tokenized_bytes
+    # ids spread over the vocabulary: the mean count of decimal digits
+    digits = sum((d + 1) * (min(vocab, 10 ** (d + 1)) - (10 ** d if d else 0))
+                 for d in range(len(str(vocab - 1)))) / vocab
+    return int(tokens(f) * (digits + 1 + 2) + 80 * f.samples)
+
+
+def store_bytes(f: Flags, shape: Shape) -> int:
+    """02's shards: tensors, plus per-shard headers that describe their samples, plus DISK_MARGIN."""
+    topk = f.topk if f.storage == "fp8-topk" else 0
+    data = tokens(f) * bytes_per_token(f.storage, f.n_aux, shape.hidden, topk)
+    shards = max(1, math.ceil(data / (f.shard_mb * 1e6)))
+    return int((data + shards * SHARD_HEADER + f.samples * SAMPLE_META) * DISK_MARGIN)
+
+
+def head_bytes(shape: Shape, chunk: int, weight_bytes: int = 2) -> int:
+    """A target head on one GPU: lm_head [V, H] + norm, and one chunk of fp32 logits [chunk, V]
+    (with its log-softmax beside it)."""
+    return shape.vocab * shape.hidden * weight_bytes + shape.hidden * 4 + 2 * chunk * shape.vocab * 4
+
+
+def draft_params(shape: Shape, f: Flags) -> dict[str, int]:
+    """A one-layer EAGLE-3 draft as wide as the target (draft.build_draft over speculators')."""
+    H, I = shape.hidden, shape.intermediate
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    layer = 2 * H * (q + 2 * kv) + q * H + 3 * H * I + 3 * H  # q/k/v take 2H; o; gate/up/down; 3 norms
+    return {"fc": f.n_aux * H * H, "layer": layer, "norm": H,
+            "lm_head": f.draft_vocab_size * H, "embed": shape.vocab * H}
+
+
+def train_memory(shape: Shape, f: Flags) -> dict[str, int]:
+    """04's peak per GPU (DDP: every GPU holds the whole draft): fp32 weights of every parameter,
+    fp32 grads + AdamW's two fp32 states of the trainable ones, the target head's rows and full
+    lm_head (for the greedy token) in bf16 unless the store holds top-k, and the activations the
+    backward keeps for max_tokens_per_batch tokens over ttt_steps steps."""
+    p = draft_params(shape, f)
+    trainable = p["fc"] + p["layer"] + p["norm"] + p["lm_head"] * f.train_lm_head + p["embed"] * f.train_embeddings
+    total = sum(p.values())
+    H, I, S, a = shape.hidden, shape.intermediate, f.max_tokens_per_batch, f.act_bytes
+    q, kv, dv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, f.draft_vocab_size
+    # per step and token: the 2H layer input and its norms, q/k/v/attention out, o, residuals,
+    # MLP gate/up/act/down; draft logits fp32 with log-softmax and grad, the target's probabilities
+    per_tok = (4 * H + 2 * q + 2 * kv + 3 * H + 3 * I) * a + 4 * dv * 4
+    attn = f.ttt_steps * shape.heads * S * S * 4 if f.attn != "flex" else 0
+    head = 0 if f.storage == "fp8-topk" else (shape.vocab + dv) * H * a + 2 * S * dv * 4
+    act = f.ttt_steps * S * per_tok + S * f.n_aux * H * a + attn
+    out = {"weights": total * 4, "grads_and_adam": trainable * 12, "target_head": head,
+           "activations": act, "trainable_params": trainable, "params": total}
+    out["total"] = out["weights"] + out["grads_and_adam"] + head + act
+    return out
+
+
+def checkpoint_bytes(shape: Shape, f: Flags) -> int:
+    """A checkpoint: the trainable weights + AdamW's two states, fp32 (weights.pt + optimizer.pt)."""
+    return train_memory(shape, f)["trainable_params"] * 12
+
+
+def export_bytes(shape: Shape, f: Flags, dtype_bytes: int) -> int:
+    """The speculators export: every draft weight in the export dtype, d2t int64 and t2d bool."""
+    return sum(draft_params(shape, f).values()) * dtype_bytes + f.draft_vocab_size * 8 + shape.vocab
+
+
+def hours(n_tokens: int, rate: float) -> float:
+    return n_tokens / rate / 3600
+
+
+def plan(shape: Shape, f: Flags) -> dict:
+    """Per stage: disk written, per-GPU memory, tokens and hours, with each rate's source."""
+    rates = {k: v for k, v in RATES.items()} | {k: (float(r), "given") for k, r in (f.rates or {}).items() if r}
+    n = tokens(f)
+    mem = train_memory(shape, f)
+    topk_head = head_bytes(shape, f.head_chunk) if f.storage == "fp8-topk" else 0
+
+    def timed(stage, count):
+        r, src = rates[stage]
+        return {"tokens": count, "rate_tok_s": r, "rate_source": src, "hours": round(hours(count, r), 2)}
+
+    stages = {
+        "01b": {"disk": raw_jsonl_bytes(f), **timed("01b", n)},
+        "01c": {"disk": tokenized_jsonl_bytes(f, shape.vocab), "tokens": n},
+        "02": {"disk": store_bytes(f, shape), "gpu_memory": topk_head,
+               "gpu_memory_note": "the top-k head beside vLLM (lm_head bf16 + chunk logits)" if topk_head
+               else "vLLM's own (no head: --storage keeps the last hidden state)", **timed("02", n)},
+        "04": {"disk": checkpoint_bytes(shape, f) * 3 + export_bytes(shape, f, 2),
+               "gpu_memory": mem["total"], "memory_parts": mem,
+               "checkpoint": checkpoint_bytes(shape, f), "export_bf16": export_bytes(shape, f, 2),
+               "export_fp32": export_bytes(shape, f, 4), **timed("04", n * f.epochs)},
+        "05": {"gpu_memory": head_bytes(shape, f.head_chunk) + sum(draft_params(shape, f).values()) * 2,
+               "gpu_memory_note": "offline: target head bf16 + chunk logits + the draft bf16"},
+    }
+    for s in stages.values():
+        if "gpu_memory" in s:
+            s["fits"] = s["gpu_memory"] <= f.gpu_memory_gb * GB
+    return {"target": asdict(shape), "flags": asdict(f), "tokens": n, "stages": stages,
+            "disk_total": sum(s.get("disk", 0) for s in stages.values())}
+
+
+def table(p: dict) -> str:
+    """The plan as a fixed-width table, one row per stage."""
+    def gb(x):
+        return "-" if not x else f"{x / GB:,.1f} GB" if x >= 0.1 * GB else f"{x / 1e6:,.1f} MB"
+
+    rows = [f"{'stage':<6}{'disk':>12}{'GPU mem':>12}{'tokens':>16}{'tok/s':>10}{'hours':>9}  rate"]
+    for name, s in p["stages"].items():
+        rows.append(f"{name:<6}{gb(s.get('disk')):>12}{gb(s.get('gpu_memory')):>12}{s.get('tokens', 0):>16,}"
+                    f"{s.get('rate_tok_s', 0):>10,.0f}{s.get('hours', 0):>9.1f}  {s.get('rate_source', '')}")
+    m = p["stages"]["04"]["memory_parts"]
+    rows.append(f"04 per GPU: weights {gb(m['weights'])}, grads+AdamW {gb(m['grads_and_adam'])}, target head "
+                f"{gb(m['target_head'])}, activations {gb(m['activations'])} "
+                f"({m['trainable_params'] / 1e6:,.0f}M trainable of {m['params'] / 1e6:,.0f}M)")
+    s4 = p["stages"]["04"]
+    rows.append(f"04 checkpoint {gb(s4['checkpoint'])}; export bf16 {gb(s4['export_bf16'])}, "
+                f"fp32 {gb(s4['export_fp32'])}; disk total {gb(p['disk_total'])}")
+    return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------- --dry-run of 02 and 04
+
+def _target_shape(name_or_path: str) -> Shape:
+    from .target import target_info
+
+    return Shape.from_config(target_info(name_or_path)[1])
+
+
+def dry_run_extract(cfg) -> int:
+    """02 --dry-run: its plan from the tokenized input's counts, the target's config and the flags."""
+    from .extract import InputSet, parse_layers
+
+    inp, shape = InputSet.open(cfg.input), _target_shape(cfg.model)
+    counts = inp.manifest.get("counts") or {}
+    samples = int(counts.get("samples") or 1)
+    f = Flags(samples=samples, tokens_per_sample=inp.tokens / samples, storage=cfg.storage, topk=cfg.topk,
+              n_aux=len(parse_layers(cfg.layers, shape.layers)), shard_mb=cfg.shard_mb)
+    s = plan(shape, f)["stages"]["02"]
+    print(f"02 plan: {s['tokens']:,} tokens, store about {s['disk'] / GB:,.2f} GB ({cfg.storage}), "
+          f"head on GPU {s['gpu_memory'] / GB:,.2f} GB, {s['hours']:.1f} h at {s['rate_tok_s']:,.0f} tok/s "
+          f"({s['rate_source']}); nothing written")
+    return 0
+
+
+def dry_run_train(cfg) -> int:
+    """04 --dry-run: its per-GPU memory, checkpoint and export from the store's and the mapping's
+    manifests, the target's config and the flags."""
+    from pathlib import Path
+
+    from .manifest import read_manifest
+
+    store, mapping = read_manifest(Path(cfg.hidden_states)) or {}, read_manifest(Path(cfg.vocab_mapping)) or {}
+    shape, counts = _target_shape(cfg.target), store.get("counts") or {}
+    samples = int(counts.get("samples") or 1)
+    f = Flags(samples=samples, tokens_per_sample=int(counts.get("tokens") or 0) / samples,
+              storage=(store.get("storage") or {}).get("format", "bf16"),
+              n_aux=len(cfg.aux_layer_ids or store.get("aux_layer_ids") or [0, 0, 0]),
+              draft_vocab_size=int((mapping.get("counts") or {}).get("draft_vocab_size") or shape.vocab),
+              max_tokens_per_batch=cfg.max_tokens_per_batch, ttt_steps=cfg.ttt_steps, epochs=cfg.epochs,
+              train_embeddings=cfg.train_embeddings, train_lm_head=cfg.train_lm_head,
+              attn="flex" if cfg.attn in ("auto", "flex") else cfg.attn)
+    s = plan(shape, f)["stages"]["04"]
+    print(f"04 plan: per GPU {s['gpu_memory'] / GB:,.2f} GB at {cfg.max_tokens_per_batch} tokens x "
+          f"{cfg.ttt_steps} TTT steps (bf16, flex on CUDA); checkpoint {s['checkpoint'] / GB:,.2f} GB, "
+          f"export {s['export_bf16'] / GB:,.2f} GB bf16 / {s['export_fp32'] / GB:,.2f} GB fp32; nothing written")
+    return 0

@@ -1,0 +1,97 @@
+"""00_plan's figures against what the tiny runs actually write: 02's store on disk, 04's checkpoint
+(trainable weights + AdamW states) and export. Peak memory is not compared: at tiny size the
+draft's few MB vanish in the process's RSS (torch, speculators), so the checkpoint's bytes stand in
+for the parameter + optimizer part of 04's memory figure."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import inputs_argv, load_script, make_training_set
+from helpers_train import train_inputs
+
+from eagle3_train import planner
+from eagle3_train.manifest import read_manifest
+from eagle3_train.train import run
+
+TOLERANCE = 0.25
+
+
+def within(planned: int, actual: int) -> bool:
+    return abs(planned - actual) <= TOLERANCE * actual
+
+
+def dir_bytes(d: Path, pattern: str = "**/*") -> int:
+    return sum(p.stat().st_size for p in Path(d).glob(pattern) if p.is_file())
+
+
+def shape_of(target_dir: Path) -> planner.Shape:
+    return planner.Shape.from_config(json.loads((Path(target_dir) / "config.json").read_text()))
+
+
+@pytest.mark.parametrize("storage", ["bf16", "fp8-topk"])
+def test_02_store_bytes_match_the_plan(tmp_path, k25_tokenizer_dir, llama_target_dir, storage):
+    data = make_training_set(tmp_path / "tok", k25_tokenizer_dir, n=24, seed=5)
+    out = tmp_path / "store"
+    load_script("02_extract_hidden_states").main(
+        ["--input", str(data), "--model", str(llama_target_dir), "--output", str(out), "--storage", storage,
+         "--topk", "8", "--shard-mb", "0.5"])
+    counts = read_manifest(data)["counts"]
+    flags = planner.Flags(samples=counts["samples"], tokens_per_sample=counts["tokens"] / counts["samples"],
+                          storage=storage, topk=8, shard_mb=0.5, n_aux=3)
+    planned, actual = planner.store_bytes(flags, shape_of(llama_target_dir)), dir_bytes(out)
+    print(f"02 {storage}: planned {planned} actual {actual} ratio {planned / actual:.3f}")
+    assert within(planned, actual), (planned, actual)
+    assert planner.tokenized_jsonl_bytes(flags, 500) > 0
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, llama_target_dir):
+    root = tmp_path_factory.mktemp("plan04")
+    inputs = train_inputs(root, llama_target_dir, n=16, shard_size=8, draft_vocab_size=96)
+    out = root / "run"
+    run(load_script("04_train").parse_args(inputs_argv(inputs, out, "--max-steps", "3")))
+    return inputs, out
+
+
+@pytest.mark.parametrize("train_lm_head", [False, True])
+def test_04_checkpoint_and_export_match_the_plan(tmp_path, trained, llama_target_dir, train_lm_head):
+    inputs, out = trained
+    if train_lm_head:  # a second run: the trainable set, hence the checkpoint, grows by lm_head
+        out = tmp_path / "run"
+        run(load_script("04_train").parse_args(inputs_argv(inputs, out, "--max-steps", "3", "--train-lm-head")))
+    flags = planner.Flags(samples=16, tokens_per_sample=100, draft_vocab_size=96, n_aux=3,
+                          train_lm_head=train_lm_head)
+    shape = shape_of(llama_target_dir)
+    ckpt = sorted((out / "checkpoints").iterdir())[-1]
+    actual = dir_bytes(ckpt, "weights.pt") + dir_bytes(ckpt, "optimizer.pt")
+    assert within(planner.checkpoint_bytes(shape, flags), actual), (planner.checkpoint_bytes(shape, flags), actual)
+    exported = dir_bytes(out / "export", "*.safetensors")
+    print(f"04 lm_head={train_lm_head}: checkpoint planned {planner.checkpoint_bytes(shape, flags)} actual {actual}; "
+          f"export planned {planner.export_bytes(shape, flags, 4)} actual {exported}")
+    assert within(planner.export_bytes(shape, flags, 4), exported), (planner.export_bytes(shape, flags, 4), exported)
+
+
+def test_dry_runs_print_the_plan_and_write_nothing(tmp_path, trained, k25_tokenizer_dir, llama_target_dir, capsys):
+    data = make_training_set(tmp_path / "tok", k25_tokenizer_dir, n=4, seed=6)
+    assert load_script("02_extract_hidden_states").main(
+        ["--input", str(data), "--model", str(llama_target_dir), "--output", str(tmp_path / "s"), "--dry-run"]) == 0
+    inputs, _ = trained
+    assert load_script("04_train").main(inputs_argv(inputs, tmp_path / "r", "--dry-run")) == 0
+    out = capsys.readouterr().out
+    assert "02 plan:" in out and "04 plan:" in out, out
+    assert not (tmp_path / "s").exists() and not (tmp_path / "r").exists()
+
+
+def test_plan_script_reads_a_wrapper_config_and_prints_json(tmp_path, capsys):
+    cfg = json.loads((Path(__file__).parents[1] / "docs" / "kimi-k2.5-text-config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": cfg}))
+    assert load_script("00_plan").main(["--target", str(tmp_path / "config.json"), "--samples", "10",
+                                        "--tokens-per-sample", "1000", "--json", "--rate-02", "1000"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["tokens"] == 10000 and p["stages"]["02"]["rate_source"] == "given"
+    assert p["stages"]["02"]["hours"] == round(10000 / 1000 / 3600, 2)
+    # the fp32 export at Kimi size: every draft weight (embed 163840 x 7168 among them) in 4 bytes
+    assert 8e9 < p["stages"]["04"]["export_fp32"] < 10e9
