@@ -75,7 +75,7 @@ def summarize(records: Iterable[dict]) -> dict:
 
 RAW_STAGE = "01b"
 RAW_FILE = "raw_responses.jsonl"
-MISMATCH_EXAMPLES = 5  # mismatches described in full in the manifest; all are counted
+MISMATCH_EXAMPLES = 5  # mismatches of each kind described in full in the manifest; all are counted
 
 
 def _window(fmt, ids: list[int], at: int, width: int = 6) -> str:
@@ -84,11 +84,12 @@ def _window(fmt, ids: list[int], at: int, width: int = 6) -> str:
 
 def describe_mismatch(sample: dict, tok, fmt) -> dict:
     """Where the returned ids and the re-wrapped text part ways, decoded on both sides."""
-    from .tokenization import tokenize_sample
+    from .tokenization import MISMATCH_CAUSES, tokenize_sample
 
     text_only = tokenize_sample({**sample, "prompt_token_ids": None, "token_ids": None}, fmt)
     at = tok.mismatch["first"]
-    return {"id": sample["id"], **tok.mismatch, "in_prompt": at < tok.prompt_len,
+    return {"id": sample["id"], **tok.mismatch, "cause": MISMATCH_CAUSES[tok.mismatch["kind"]],
+            "in_prompt": at < tok.prompt_len,
             "ids_side": _window(fmt, tok.input_ids, at), "text_side": _window(fmt, text_only.input_ids, at)}
 
 
@@ -142,6 +143,7 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
         tmp = out_dir / f"{TMP_PREFIX}{DATA}"
         counts = Counter()
         finish = Counter()
+        kinds = Counter()
         mismatches: list[dict] = []
         kept: list[dict] = []  # stand-ins for summarize(): it only takes lengths and sums
         seen: set[str] = set()
@@ -169,8 +171,10 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
                     t = tokenize_sample(sample, fmt, max_seq_len=max_seq_len, loss_on=loss_on)
                     if t.mismatch is not None:
                         counts["mismatched"] += 1
-                        if len(mismatches) < MISMATCH_EXAMPLES:
+                        kinds[t.mismatch["kind"]] += 1
+                        if kinds[t.mismatch["kind"]] <= MISMATCH_EXAMPLES:
                             mismatches.append(describe_mismatch(sample, t, fmt))
+                    counts["text_derived"] += t.source == "text"
                     if t.num_truncated:
                         counts["truncated"] += 1
                     if t.num_supervised == 0:
@@ -192,29 +196,45 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
         summary = summarize(kept)
         all_counts = {**summary, **{k: counts[k] for k in (
             "input_records", "mismatched", "truncated", "kept_length", "dropped_length",
-            "dropped_no_supervised_tokens", "dropped_empty_answer", "dropped_duplicate_id")},
-            "finish_reasons": dict(finish)}
+            "dropped_no_supervised_tokens", "dropped_empty_answer", "dropped_duplicate_id", "text_derived")},
+            "mismatch_kinds": dict(kinds), "finish_reasons": dict(finish)}
+        from .tokenization import MISMATCH_CAUSES
         manifest = write_manifest(
             out_dir, STAGE, config=config,
             inputs={"raw_responses": {**describe_file(raw_path, hash_it=False), "sha256": raw_sha},
                     "raw_manifest": {"created": raw_manifest.get("created"),
                                      "model": raw_manifest.get("target", {}).get("model")}},
             outputs={"data": describe_file(out_dir / DATA, hash_it=False)}, counts=all_counts,
-            tokenizer=tok_desc, chat_format=fmt.describe(), mismatch_examples=mismatches, build_key=key)
+            tokenizer=tok_desc, chat_format=fmt.describe(), mismatch_examples=mismatches,
+            mismatch_causes={k: MISMATCH_CAUSES[k] for k in kinds},
+            text_derived=bool(counts["text_derived"] or raw_manifest.get("text_derived")), build_key=key)
     log(format_summary(all_counts, mismatches, out_dir / DATA))
     return manifest
 
 
 def format_summary(c: dict, mismatches: list[dict], path: Path) -> str:
+    from .tokenization import BOUNDARY_WHITESPACE, MISMATCH_CAUSES, REAL
+
+    kinds = c.get("mismatch_kinds", {})
     lines = [f"tokenize: {c['samples']} samples ({c['tokens']} tokens, {c['supervised_tokens']} supervised) "
              f"-> {path}",
              f"  from {c['input_records']} answers: mismatched {c['mismatched']} (returned ids vs "
-             f"re-wrapped text), truncated {c['truncated']}, kept cut-by-length {c['kept_length']}; "
+             f"re-wrapped text: {kinds.get(REAL, 0)} real, {kinds.get(BOUNDARY_WHITESPACE, 0)} boundary "
+             f"whitespace), truncated {c['truncated']}, kept cut-by-length {c['kept_length']}; "
              f"dropped: length {c['dropped_length']}, no supervised tokens "
              f"{c['dropped_no_supervised_tokens']}, empty answer {c['dropped_empty_answer']}, "
              f"duplicate id {c['dropped_duplicate_id']}"]
-    for m in mismatches:
-        lines.append(f"  mismatch {m['id']}: {m['count']} positions differ from {m['first']} "
-                     f"({'prompt' if m['in_prompt'] else 'answer'}): ids {m['ids_side']!r} vs text "
-                     f"{m['text_side']!r}")
+    if kinds.get(BOUNDARY_WHITESPACE):
+        lines.append(f"  {kinds[BOUNDARY_WHITESPACE]} boundary-whitespace mismatches, expected: "
+                     f"{MISMATCH_CAUSES[BOUNDARY_WHITESPACE]}")
+    if kinds.get(REAL):
+        lines.append(f"warning: {kinds[REAL]} real mismatches: {MISMATCH_CAUSES[REAL]}")
+    if c.get("text_derived"):
+        lines.append(f"warning: {c['text_derived']} samples are text-derived (ids re-wrapped from "
+                     "reasoning/content, not returned by the server)")
+    # Real mismatches first: they are the ones to read.
+    for m in sorted(mismatches, key=lambda m: m.get("kind") != REAL):
+        lines.append(f"  mismatch {m['id']} ({m.get('kind')}): {m['count']} positions differ from "
+                     f"{m['first']} ({'prompt' if m['in_prompt'] else 'answer'}): ids {m['ids_side']!r} vs "
+                     f"text {m['text_side']!r}")
     return "\n".join(lines)
