@@ -74,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="HTTP layer under the openai SDK (default: aiohttp)")
     g.add_argument("--no-preflight", action="store_true",
                    help="skip checking that each endpoint serves --model (default: check)")
+    g.add_argument("--allow-text-fallback", action="store_true",
+                   help="an answer without token ids (SGLang, a hosted API) gets ids re-wrapped from its "
+                        "reasoning/content with --tokenizer, marked source=text and counted, as "
+                        "01a_import_text.py does (default: refuse it; inexact, see 01a)")
 
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=None, help="max generated tokens (default: up to the context)")
@@ -114,6 +118,10 @@ def main(argv=None) -> int:
         return 143 if res.interrupted == "SIGTERM" else 130
     print(f"01b: {res.answered}/{res.requested} answered ({res.new_answers} this run, "
           f"{res.tokens} tokens), {res.failed} failed -> {Path(args.output_dir) / 'raw_responses.jsonl'}")
+    if res.text_derived:
+        from eagle3_train.text_import import text_warning
+
+        print(text_warning(res.text_derived, res.answered), file=sys.stderr)
     if args.tokenize:
         from eagle3_train.dataset import build_training_set
         from eagle3_train.tokenization import chat_format_from_args

@@ -161,7 +161,7 @@ def main(argv=None) -> int:
                     "distinct_tokens_seen": report["distinct_tokens_seen"]},
             tokenizer=theirs, target=describe_target(target_cfg, args.target),
             target_vocab_size=vocab_size, draft_vocab_size=k, required_tokens=report["required_tokens"],
-            coverage=report["coverage"])
+            coverage=report["coverage"], text_derived=bool(ts.manifest.get("text_derived")))
 
     cov = report["coverage"]
     held = "n/a (no held-out samples)" if cov["heldout"] is None else f"{100 * cov['heldout']:.2f}%"
@@ -170,6 +170,8 @@ def main(argv=None) -> int:
     need = ", ".join(f"{float(t):.1%}: {n}" for t, n in report["size_for_coverage"].items() if n)
     print(f"size needed for coverage {need}")
     print(f"wrote {out / vocab.MAPPING}, {out / vocab.COVERAGE_PNG}")
+    if ts.manifest.get("text_derived"):
+        print(f"note: {ts.directory} is text-derived (ids re-wrapped from text, see its manifest)")
     return 0
 
 

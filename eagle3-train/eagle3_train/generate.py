@@ -32,6 +32,7 @@ from .progress import Progress
 from .prompts import Prompt, load_prompts, parse_shard
 from .store import DirLock, JsonlWriter, atomic_write_json, atomic_write_text, clean_temp_files, \
     pending_ids, read_jsonl
+from .text_import import TEXT_WARNING, text_answer
 
 STAGE = "01b"
 RAW = "raw_responses.jsonl"
@@ -75,6 +76,11 @@ def sample_seed(seed: int | None, pid: str) -> int | None:
 def sampling_for(args, pid: str) -> dict:
     return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "seed": sample_seed(args.seed, pid)}
+
+
+def identity_of(**given) -> dict:
+    """An identity with every key present (None / {} where not given), for writers other than 01b."""
+    return {k: given.get(k, {} if k in ("chat_template_kwargs", "extra_body") else None) for k in IDENTITY_KEYS}
 
 
 def identity(args, input_desc: dict) -> dict:
@@ -150,16 +156,19 @@ class RunResult:
     new_answers: int
     new_errors: int
     tokens: int
+    text_derived: int = 0  # answers in the file whose ids were re-wrapped from text
 
 
-async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progress) -> dict:
+async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progress, text_fmt=None) -> dict:
+    """`text_fmt` (a ChatFormat) set: answers without token ids are re-wrapped from their text."""
     client = ChatClient(args.base_url, args.model, timeout=args.timeout, max_retries=args.max_retries,
                         backoff_base=args.backoff_base, backoff_max=args.backoff_max,
                         connect_timeout=args.connect_timeout, api_key=args.api_key,
-                        concurrency=args.concurrency, transport=args.transport)
+                        concurrency=args.concurrency, transport=args.transport,
+                        require_token_ids=text_fmt is None)
     loop = asyncio.get_running_loop()
     stats = {"answered": 0, "failed": 0, "tokens": 0, "interrupted": None, "finish": Counter(),
-             "error_types": Counter()}
+             "error_types": Counter(), "text_derived": 0}
     written: set[str] = set()
     consecutive = [0]
     it = iter(prompts)
@@ -178,6 +187,9 @@ async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progre
             written.add(p.id)
             if out.ok:
                 a = out.answer
+                if a["token_ids"] is None:  # only with --allow-text-fallback (see text_import)
+                    a = text_answer(text_fmt, p.messages, a)
+                    stats["text_derived"] += 1
                 raw.write({"id": p.id, "messages": p.messages, **a, "sampling": sampling,
                            "endpoint": out.endpoint, "latency_s": out.latency_s, "attempts": out.attempts,
                            "created": _now()})
@@ -268,6 +280,11 @@ def run_generation(args) -> RunResult:
         ps = load_prompts(args.input, split=args.split, config=args.dataset_config, limit=args.limit,
                           shard=shard, id_key=args.id_field, skip_invalid=args.skip_invalid)
         check_identity(out_dir, identity(args, ps.source))
+        text_fmt = None
+        if getattr(args, "allow_text_fallback", False):  # load the tokenizer before any request
+            from .tokenization import chat_format_from_args
+
+            text_fmt = chat_format_from_args(args, default_tokenizer=args.model)
         raw_path, err_path = out_dir / RAW, out_dir / ERRORS
         JsonlWriter(raw_path).close()  # repairs a torn tail left by kill -9 before we read it
         committed = set(committed_ids(raw_path))
@@ -285,7 +302,7 @@ def run_generation(args) -> RunResult:
                                 every_s=args.progress_every, unit="req")
             note = "failed"
             try:
-                stats = asyncio.run(_generate(todo, args, out_dir, progress))
+                stats = asyncio.run(_generate(todo, args, out_dir, progress, text_fmt))
                 note = f"stopped by {stats['interrupted']}" if stats["interrupted"] else "finished"
             finally:
                 progress.close(note)
@@ -294,17 +311,20 @@ def run_generation(args) -> RunResult:
         requested = set(ps.ids)
         answered = len(requested & committed)
         still_failed = len(requested & set(failed))
+        text_derived = None
         if stats["interrupted"] is None:
-            _write_manifest(out_dir, args, ps, answered, still_failed, stats)
+            text_derived = _write_manifest(out_dir, args, ps, answered, still_failed, stats)
         return RunResult(len(ps.ids), answered, still_failed, stats["interrupted"], stats["answered"],
-                         stats["failed"], stats["tokens"])
+                         stats["failed"], stats["tokens"], text_derived or 0)
 
 
-def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: dict) -> None:
-    finish, prompt_tokens, gen_tokens = Counter(), 0, 0
+def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: dict) -> int:
+    """Writes the manifest; returns how many answers in it are text-derived."""
+    finish, prompt_tokens, gen_tokens, text_derived = Counter(), 0, 0, 0
     requested = set(ps.ids)
     for rec in read_jsonl(out_dir / RAW):
         if rec.get("id") in requested:
+            text_derived += rec.get("source") == "text"
             finish[rec.get("finish_reason")] += 1
             prompt_tokens += len(rec.get("prompt_token_ids") or ())
             gen_tokens += len(rec.get("token_ids") or ())
@@ -319,8 +339,10 @@ def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: 
         counts={"requested": len(ps.ids), "answered": answered, "failed": failed,
                 "finish_reasons": dict(finish), "error_types": dict(error_types),
                 "prompt_tokens": prompt_tokens, "generated_tokens": gen_tokens,
-                "records_in_file": sum(1 for _ in read_jsonl(out_dir / RAW)),
+                "records_in_file": sum(1 for _ in read_jsonl(out_dir / RAW)), "text_derived": text_derived,
                 "this_run": {"answered": stats["answered"], "failed": stats["failed"],
-                             "retries": stats["retries"]}},
+                             "retries": stats["retries"], "text_derived": stats.get("text_derived", 0)}},
         target={"model": args.model, "base_urls": list(args.base_url)},
-        identity=identity(args, ps.source))
+        identity=identity(args, ps.source), text_derived=bool(text_derived),
+        **({"text_warning": TEXT_WARNING} if text_derived else {}))
+    return text_derived

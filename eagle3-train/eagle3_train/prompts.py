@@ -131,7 +131,7 @@ def row_to_prompt(row, id_key: str | None = None) -> Prompt:
 
 # ----------------------------------------------------------------------------- sources
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
+def jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             if not raw.strip():
@@ -244,7 +244,7 @@ def load_prompts(source: str, *, split: str = "train", config: str | None = None
         if path.suffix == ".json":
             rows = _json_rows(path)
         elif path.suffix in (".jsonl", ".ndjson"):
-            rows = _jsonl_rows(path)
+            rows = jsonl_rows(path)
         else:
             raise PipelineError(f"{path}: unsupported file type {path.suffix!r} (use .jsonl or .json, "
                                 "or a dataset directory / hub name)")
