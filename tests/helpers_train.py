@@ -18,6 +18,7 @@ import torch
 from eagle3_train import hidden_store as hs
 from eagle3_train import vocab
 from eagle3_train.dataset import TrainingSet
+from eagle3_train.extract import default_aux_layers
 from eagle3_train.fixtures import synthetic_training_set
 from eagle3_train.manifest import describe_target, describe_tokenizer, write_manifest
 
@@ -52,7 +53,7 @@ def build_store(out_dir: Path, target_dir: Path, *, n: int = 48, seed: int = 0,
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     cfg = model.config
     num_layers = cfg.num_hidden_layers
-    aux_ids = list(layer_ids) if layer_ids is not None else [2, num_layers // 2, num_layers - 3]
+    aux_ids = list(layer_ids) if layer_ids is not None else default_aux_layers(num_layers)
     data = synthetic_training_set(out_dir.with_name(out_dir.name + "-data"), target_dir, n=n, seed=seed,
                                   id_width=5)
     examples = [(rec["id"], rec["input_ids"], rec["loss_mask"]) for rec in TrainingSet(data)]

@@ -64,7 +64,7 @@ def test_stored_states_equal_the_plain_forward(tmp_path, tokset, arch, llama_tar
                  "--shard-mb", "0.2", "--device", "cpu") == 0
     store = hs.HiddenStates(out)
     N = {"llama": 8, "deepseek_v3": 6}[arch]
-    aux_ids = [2, N // 2, N - 3]
+    aux_ids = {8: [2, 4, 5], 6: [2, 3, 4]}[N]  # vLLM's (2, N//2, N-3), distinct: (2, 3, 3) at N = 6
     assert store.layer_ids == [*aux_ids, N] and store.storage["format"] == "fp32"
     recs = records(tokset)
     assert sorted(store.ids) == sorted(r["id"] for r in recs)
@@ -239,7 +239,7 @@ def test_changed_settings_are_refused_and_overwrite_moves_the_old_output_aside(t
     assert run02(tokset, llama_target_dir, out, "--overwrite") == 0
     assert hs.HiddenStates(out).layer_ids == [2, 4, 5, 8]
     assert len(list(out.glob("replaced-*/plan.json"))) == 1
-    with pytest.raises(PipelineError, match="ids must lie in 0..8"):
+    with pytest.raises(PipelineError, match="ids must lie in 1..8"):
         run02(tokset, llama_target_dir, tmp_path / "x", "--layers", "2,9")
 
 
@@ -259,12 +259,32 @@ def test_ranks_split_the_shards_and_together_equal_one_process(tmp_path, tokset,
     assert sorted(hs.HiddenStates(two).ids) == sorted(hs.HiddenStates(tmp_path / "one").ids)
 
 
-def test_default_layers_follow_vllm():
+def test_default_layers_follow_vllm_and_are_distinct_for_small_targets(capsys):
     assert extract.default_aux_layers(61) == [2, 30, 58]  # Kimi-K2.5
     assert extract.parse_layers(None, 8) == [2, 4, 5]
-    assert extract.parse_layers("0,8", 8) == [0, 8]
-    with pytest.raises(PipelineError, match="comma-separated"):
-        extract.parse_layers("a,b", 8)
+    assert capsys.readouterr().out == ""  # vLLM's own default: nothing to say
+    for n in range(1, 80):
+        ids, vllm = extract.default_aux_layers(n), extract.vllm_default_aux_layers(n)
+        assert ids == sorted(set(ids)) and all(1 <= i <= n for i in ids), (n, ids)
+        assert len(ids) == min(3, n)
+        if len(set(vllm)) == 3 and min(vllm) >= 1:
+            assert ids == sorted(vllm), n  # vLLM uses its default when the config names none
+    # N = 6 (the tiny DeepSeek): vLLM's (2, 3, 3) repeats a layer; distinct ids, said in one line.
+    assert extract.parse_layers(None, 6) == [2, 3, 4]
+    out = capsys.readouterr().out
+    assert "2,3,3" in out and "using 2,3,4" in out and len(out.splitlines()) == 1
+
+
+def test_explicit_layers_are_sorted_and_repeats_and_id_0_refused(capsys):
+    # vLLM gathers the aux states in ascending layer order: 4,1,3 is what it serves as 1,3,4.
+    assert extract.parse_layers("4,1,3", 8) == [1, 3, 4]
+    out = capsys.readouterr().out
+    assert "sorted to 1,3,4" in out and len(out.splitlines()) == 1
+    assert extract.parse_layers("1,3,8", 8) == [1, 3, 8]  # id N: the last layer's output
+    for spec, needle in [("2,3,3", "layer 3 listed more than once"), ("0,4", "id 0 is the embedding"),
+                         ("2,9", "ids must lie in 1..8"), ("a,b", "comma-separated"), (",", "at least one")]:
+        with pytest.raises(PipelineError, match=needle):
+            extract.parse_layers(spec, 8)
 
 
 def test_token_batches_respect_the_budget():

@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_train import hidden_store as hs
 from eagle3_train.errors import PipelineError
+from eagle3_train.hidden_checks import validate_shard
 from eagle3_train.manifest import write_manifest
 
 H, NAUX, K = 16, 3, 4
@@ -123,7 +124,7 @@ def test_index_last_entry_wins_across_rank_files_and_dropped_uncommits(tmp_path)
 
 
 def _check(tmp_path, entry, storage="bf16", expected=None):
-    return hs.validate_shard(tmp_path, entry, storage=storage, n_aux=NAUX, hidden=H, topk=0, expected=expected)
+    return validate_shard(tmp_path, entry, storage=storage, n_aux=NAUX, hidden=H, topk=0, expected=expected)
 
 
 def test_validate_shard_catches_truncation_nan_wrong_ids_and_shapes(tmp_path):

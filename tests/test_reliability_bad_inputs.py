@@ -367,3 +367,43 @@ def test_shard_with_nan(stage, chain, tmp_path, capfd):
     store, name = store_copy(chain, tmp_path, put_nan)
     before = snapshot(store)
     refused(run_04_05(stage, chain, store, tmp_path / "out", capfd), {store: before}, tmp_path / "out", name)
+
+
+# ----------------------------------------------------------------------------- aux layers (02, 04)
+# vLLM gathers the aux states ascending, each once, from layers 1..N: a list it would serve
+# differently from how the draft was trained is refused (an unsorted one is sorted: test_extract).
+
+@pytest.mark.parametrize("layers, needles", [
+    ("2,4,4", ("--layers", "layer 4 listed more than once")),
+    ("0,2,4", ("--layers", "id 0")),
+], ids=["layer-repeated", "layer-zero"])
+def test_02_bad_layers(layers, needles, chain, tmp_path, capfd):
+    data = chain.tokenized
+    before = snapshot(data)
+    out = tmp_path / "hs"
+    res = run_inprocess("02_extract_hidden_states", [*chain.argv02(out), "--layers", layers], capfd)
+    refused(res, {data: before}, out, *needles)
+
+
+@pytest.mark.parametrize("ids, needles", [
+    ("2,4,4", ("--aux-layer-ids", "layer 4 listed more than once")),
+    ("0,2", ("--aux-layer-ids", "id 0")),
+], ids=["layer-repeated", "layer-zero"])
+def test_04_bad_aux_layer_ids(ids, needles, chain, tmp_path, capfd):
+    before = snapshot(chain.hs)
+    out = tmp_path / "run"
+    res = run_inprocess("04_train", [*chain.argv04(out), "--aux-layer-ids", ids], capfd)
+    refused(res, {chain.hs: before}, out, *needles)
+
+
+def test_04_store_with_a_repeated_layer(chain, tmp_path, capfd):
+    """A store an older 02 made with a repeated id (its default for a 6-layer target was 2,3,3)."""
+    store = copy(chain.hs, tmp_path / "hs")
+    man = json.loads((store / "manifest.json").read_text())
+    n = man["layer_ids"][-1]
+    man["aux_layer_ids"] = [2, 4, 4]
+    man["layer_ids"] = [2, 4, 4, n]
+    (store / "manifest.json").write_text(json.dumps(man))
+    before = snapshot(store)
+    out = tmp_path / "run"
+    refused(run_04_05("04", chain, store, out, capfd), {store: before}, out, "[2, 4, 4]", "--aux-layer-ids 2,4")

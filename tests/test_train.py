@@ -18,8 +18,8 @@ from eagle3_train.train import run
 from eagle3_train.train.checkpoint import checkpoints
 from eagle3_train.train.data import collate, pack, split_ids
 from eagle3_train.train.dist import Dist
-from eagle3_train.train.inputs import open_inputs
-from eagle3_train.train.metrics import read_metrics
+from eagle3_train.train.inputs import aux_layers, open_inputs
+from eagle3_train.train.metrics import read_metrics, validation_series
 from eagle3_train.train.model import build_model
 from eagle3_train.train.objective import Objective, alignment, prepare
 
@@ -62,6 +62,13 @@ def test_run_writes_checkpoints_metrics_curves_export_and_manifest(reference, in
     val_steps = [r["step"] for r in m["val"]]
     assert val_steps == sorted({*range(3, steps + 1, 3), steps})
     assert all(1 <= r["acceptance_length"] <= 4 and len(r["al_by_depth"]) == 3 for r in m["val"])
+    # The reported AL is vLLM's walk at full depth; the every-position figure is kept beside it.
+    assert all(r["al_by_depth"][-1] == r["acceptance_length"] and 1 <= r["al_all_positions"] <= 4
+               for r in m["val"])
+    assert man["best"]["acceptance_length"] == max(r["acceptance_length"] for r in m["val"])
+    for k in (3, 7):  # one line per statistic, each named once
+        labels = [label for label, _, _ in validation_series(m["val"], k)]
+        assert len(set(labels)) == len(labels) == (2 if k == 3 else 3)
     kept = [s for s, _ in checkpoints(reference)]
     best = man["best"]["step"]
     assert kept[-2:] == sorted({*range(3, steps + 1, 3), steps})[-2:] and best in kept
@@ -304,3 +311,14 @@ def test_cuda_fast_paths_follow_the_eager_paths(inputs, tmp_path):
     assert fast[0] == pytest.approx(eager[0], rel=2e-2)
     assert fast == pytest.approx(eager, rel=1e-1)
     assert (tmp_path / "fast" / "export" / "model.safetensors").exists()
+
+
+def test_aux_layers_are_read_in_vllms_order(capsys):
+    # A store written in another order is read ascending (collate picks the columns by index).
+    assert aux_layers(None, [4, 2, 5], 8, "hs") == [2, 4, 5]
+    assert "[4, 2, 5]" in capsys.readouterr().out
+    assert aux_layers([5, 2], [2, 4, 5], 8, "hs") == [2, 5]
+    for asked, stored, needle in [([2, 2], [2, 4, 5], "more than once"), ([0, 2], [2, 4, 5], "id 0"),
+                                  (None, [2, 4, 4], "--aux-layer-ids 2,4")]:
+        with pytest.raises(PipelineError, match=needle):
+            aux_layers(asked, stored, 8, "hs")

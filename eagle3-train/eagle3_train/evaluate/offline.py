@@ -1,7 +1,9 @@
 """05 offline (no server): the draft runs over held-out samples of the 02 store exactly as vLLM
 runs it (target features at t and token t+1 in, K chained proposals out) and each proposal is
 compared with the target's own greedy token; acceptance is the chain rule of
-`acceptance.chain_acceptance`."""
+`acceptance.chain_acceptance`, counted where vLLM drafts (its walk: after the prefill token, then
+accepted + 1 on), so the offline AL is the figure vLLM reports; `al_all_positions` is the
+every-position average."""
 
 from __future__ import annotations
 

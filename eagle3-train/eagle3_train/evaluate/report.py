@@ -41,8 +41,8 @@ def render_markdown(rep: dict) -> str:
               "|---|---|" + "---|" * rep["k"]]
     if off:
         which = "held-out " if off.get("heldout") else ""
-        lines.append(f"| offline ({off['samples']} {which}samples) | {off['acceptance_length']:.3f} | "
-                     + " | ".join(f"{x:.3f}" for x in off["cumulative"]) + " |")
+        lines.append(f"| offline ({off['samples']} {which}samples, {off['drafts']} drafts) | "
+                     f"{off['acceptance_length']:.3f} | " + " | ".join(f"{x:.3f}" for x in off["cumulative"]) + " |")
     for arm in ("eagle3", "ngram"):
         s = arms.get(arm, {}).get("spec")
         if s:
@@ -65,6 +65,10 @@ def render_markdown(rep: dict) -> str:
                                  + (f" ({sp:.2f}x)" if sp else ""))
                 lines.append(f"| {arm} | " + " | ".join(cells) + " |")
         lines.append("")
+    if off and off.get("al_all_positions") is not None:
+        lines.append(f"Offline AL {off['acceptance_length']:.3f} counts drafts where vLLM makes them (after "
+                     f"each accepted run and bonus token); a draft at every position would give "
+                     f"{off['al_all_positions']:.3f} (al_all_positions).")
     if off and off.get("data_matches_greedy") is not None and off["data_matches_greedy"] < 0.99:
         lines.append(f"Note: only {off['data_matches_greedy']:.1%} of the stored tokens are the target's "
                      "greedy choice (sampled data), so offline acceptance is an estimate.")

@@ -107,6 +107,8 @@ class Evaluation:
         """The offline part, from offline.json when a previous run finished it."""
         config = self.config
         offline = load_part(out / OFFLINE)
+        if offline and "al_all_positions" not in offline:  # counted at every position (before vLLM's walk)
+            offline = None
         if offline is None:
             print(f"[05] offline: {len(self.ids)} samples ({self.selection}), K={self.k}", flush=True)
             model = load_draft(config.draft, self.target)

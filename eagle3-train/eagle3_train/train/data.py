@@ -96,7 +96,7 @@ def collate(store, ids: list[str], cap: int, aux_index: list[int], pad_to: int |
         n = len(s.input_ids)
         if n - 1 > cap:
             n, truncated = cap + 1, truncated + 1
-        aux = s.aux[:n, aux_index] if len(aux_index) != s.aux.shape[1] else s.aux[:n]
+        aux = s.aux[:n] if aux_index == list(range(s.aux.shape[1])) else s.aux[:n, aux_index]
         parts["aux"].append(aux[:-1].flatten(1))
         parts["ids"].append(s.input_ids[1:n])
         parts["pos"].append(torch.arange(1, n))

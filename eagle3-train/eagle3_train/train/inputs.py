@@ -54,7 +54,7 @@ def open_inputs(config: TrainConfig, dtype: torch.dtype = torch.float32) -> Inpu
     layer_ids = store.layer_ids
     require_match("last layer id", tc.num_hidden_layers, layer_ids[-1], source=str(store.directory))
     stored_aux = list(sm.get("aux_layer_ids") or layer_ids[:-1])
-    aux_ids = list(config.aux_layer_ids) if config.aux_layer_ids else stored_aux
+    aux_ids = aux_layers(config.aux_layer_ids, stored_aux, tc.num_hidden_layers, store.directory)
     missing = [i for i in aux_ids if i not in stored_aux]
     if missing:
         raise PipelineError(f"layer ids mismatch: {store.directory} holds aux layers {stored_aux}, "
@@ -68,6 +68,24 @@ def open_inputs(config: TrainConfig, dtype: torch.dtype = torch.float32) -> Inpu
     topk = first.last is None  # 02's compact option keeps the target's top-k instead
     target = str(Path(config.target).resolve()) if Path(config.target).exists() else config.target
     return Inputs(store, mapping, target, target_cfg, aux_ids, [stored_aux.index(i) for i in aux_ids], topk)
+
+
+def aux_layers(asked, stored: list[int], num_layers: int, where) -> list[int]:
+    """The draft's aux layers in the order vLLM gathers them (ascending, each once): --aux-layer-ids
+    is checked like 02's --layers; a store with a repeated id (an older 02's small-target default)
+    is refused, since vLLM would hand the draft fewer states than its fc expects."""
+    from ..extract import check_layers
+
+    if asked:
+        return check_layers(list(asked), num_layers, flag="--aux-layer-ids")
+    if len(set(stored)) != len(stored) or 0 in stored:
+        raise PipelineError(f"{where} holds aux layers {stored}, which vLLM cannot serve (a repeat or id 0: "
+                            f"it gathers layers 1..N, each once); re-run 02 or pass --aux-layer-ids "
+                            f"{','.join(str(i) for i in sorted(set(stored) - {0}))}")
+    if stored != sorted(stored):
+        print(f"{where} holds aux layers {stored}; the draft reads them as {sorted(stored)} "
+              "(vLLM gathers them in ascending order)")
+    return sorted(stored)
 
 
 def input_identity(inp: Inputs, vocab_mapping: str) -> dict:

@@ -211,7 +211,7 @@ class Trainer:
 
 
 def better(val: dict, best: dict) -> bool:
-    """Higher estimated acceptance wins; on a tie, the lower validation loss."""
+    """Higher acceptance length (as vLLM counts it: the walk) wins; on a tie, the lower loss."""
     if best.get("acceptance_length") is None:
         return True
     if val["acceptance_length"] != best["acceptance_length"]:

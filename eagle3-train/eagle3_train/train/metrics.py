@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..acceptance import merge, summarize
+from ..acceptance import empty, flatten, merge, summarize, unflatten
 from ..configs.train import METRICS
 from ..progress import Progress
 from ..store import JsonlWriter, atomic_write_bytes, read_jsonl
@@ -38,20 +38,20 @@ class Meter:
     def reduce(self, d) -> dict:
         """Sums over ranks (every rank must call it)."""
         s = self.s
-        chain = s["chain"] or {"drafts": 0, "accepted": 0, "tried": [0] * self.steps, "hits": [0] * self.steps}
-        flat = [s["loss"], s["n"], s["tokens"], s["grad_norm"], chain["drafts"], chain["accepted"],
-                *s["loss_sum"], *s["loss_cnt"], *chain["tried"], *chain["hits"]]
+        chain = merge([s["chain"] or empty(self.steps)])
+        flat = [s["loss"], s["n"], s["tokens"], s["grad_norm"], *s["loss_sum"], *s["loss_cnt"], *flatten(chain)]
         t = d.sum(torch.tensor(flat, dtype=torch.float64, device=d.device)).tolist()
         k = self.steps
-        loss, n, tokens, gn, drafts, acc = t[:6]
-        ls, lc, tried, hits = t[6:6 + k], t[6 + k:6 + 2 * k], t[6 + 2 * k:6 + 3 * k], t[6 + 3 * k:6 + 4 * k]
-        rates = summarize({"drafts": int(drafts), "accepted": int(acc), "tried": [int(x) for x in tried],
-                           "hits": [int(x) for x in hits]})
+        loss, n, tokens, gn = t[:4]
+        ls, lc = t[4:4 + k], t[4 + k:4 + 2 * k]
+        rates = summarize(unflatten(t[4 + 2 * k:], k))
+        # acceptance_length / acc_cum / al_by_depth: vLLM's walk (what it would report);
+        # al_all_positions: a draft at every supervised position (higher when acceptance is bursty).
         return {"loss": loss / max(n, 1), "loss_by_step": [a / b if b else None for a, b in zip(ls, lc)],
                 "acc_cond": rates["conditional"], "acc_cum": rates["cumulative"],
-                "acceptance_length": rates["acceptance_length"],
-                "al_by_depth": [1 + sum(rates["cumulative"][: i + 1]) for i in range(k)],
-                "drafts": int(drafts), "tokens": int(tokens), "grad_norm": gn / max(n, 1)}
+                "acceptance_length": rates["acceptance_length"], "al_by_depth": rates["al_by_depth"],
+                "al_all_positions": rates["al_all_positions"], "acc_cum_all_positions": rates["cumulative_all_positions"],
+                "drafts": rates["drafts"], "tokens": int(tokens), "grad_norm": gn / max(n, 1)}
 
 
 class Recorder:
@@ -80,7 +80,7 @@ class Recorder:
         tokens_per_s = totals["tokens"] / max(time.monotonic() - self.since, 1e-9)
         self.write({"kind": "train", "step": step, "epoch": epoch, "lr": lr,
                     **{k: totals[k] for k in ("loss", "loss_by_step", "acc_cond", "acc_cum",
-                                              "acceptance_length", "tokens", "grad_norm")},
+                                              "acceptance_length", "al_all_positions", "tokens", "grad_norm")},
                     "tokens_per_s": tokens_per_s, "cpu_s": time.process_time() - self.cpu_since,
                     "time": time.time()})
         if self.log:
@@ -110,6 +110,16 @@ def read_metrics(run_dir: Path) -> dict[str, list[dict]]:
     return {k: [v[s] for s in sorted(v)] for k, v in out.items()}
 
 
+def validation_series(val: list[dict], k: int) -> list[tuple[str, str, list]]:
+    """(label, style, values) of the validation AL plot: vLLM's count with k draft tokens, with 3
+    when k > 3 (a common serving setting), and the every-position average for comparison."""
+    out = [(f"AL, {k} tokens (vLLM's count)", "o-", [r["acceptance_length"] for r in val])]
+    if k > 3:
+        out.append(("AL, 3 tokens (vLLM's count)", "s--", [(r.get("al_by_depth") or [None] * 3)[2] for r in val]))
+    out.append((f"AL, {k} tokens, a draft at every position", ":", [r.get("al_all_positions") for r in val]))
+    return out
+
+
 def plot_curves(run_dir: Path) -> Path | None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -134,9 +144,8 @@ def plot_curves(run_dir: Path) -> Path | None:
     axes[0, 1].legend(fontsize=7)
     if val:
         vs = [r["step"] for r in val]
-        axes[1, 0].plot(vs, [r["acceptance_length"] for r in val], "o-", label=f"AL, {k} tokens")
-        axes[1, 0].plot(vs, [r["al_by_depth"][min(2, k - 1)] for r in val], "s--",
-                        label=f"AL, {min(3, k)} tokens")
+        for label, style, ys in validation_series(val, k):
+            axes[1, 0].plot(vs, ys, style, label=label)
         axes[1, 0].legend(fontsize=7)
     axes[1, 0].set_title("validation: estimated acceptance length")
     axes[1, 1].plot(steps, [r["lr"] for r in train])
