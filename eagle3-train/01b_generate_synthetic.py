@@ -60,6 +60,7 @@ def parse_args(argv=None) -> GenerateConfig:
     g.add_argument("--abort-after", type=int, **C.arg("abort_after"))
     g.add_argument("--transport", choices=TRANSPORTS, **C.arg("transport"))
     g.add_argument("--no-preflight", action="store_true", **C.arg("no_preflight"))
+    g.add_argument("--allow-text-fallback", action="store_true", **C.arg("allow_text_fallback"))
 
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, **C.arg("max_tokens"))

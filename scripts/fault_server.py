@@ -70,11 +70,13 @@ class Faults:
         self.arrivals = 0
         self.seen: dict[str, int] = {}
         self.log = open(args.log, "a") if args.log else None
-        self.tokenizer = None
-        if args.tokenizer:
+        self.fmt = None
+        if args.tokenizer:  # real ids are the project's own re-wrap, the one place that joins them
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+            from eagle3_train.tokenization import ChatFormat
+
+            self.fmt = ChatFormat.from_tokenizer(AutoTokenizer.from_pretrained(args.tokenizer))
 
     def behaviour(self, text: str) -> str:
         n = self.arrivals
@@ -110,20 +112,12 @@ class Faults:
         return reasoning, f"The answer is {h[:8]}."
 
     def ids(self, messages: list, reasoning: str, content: str | None, truncated: bool):
-        tok = self.tokenizer
-        if tok is None:  # stand-in ids: deterministic, small, not a real tokenization
+        if self.fmt is None:  # stand-in ids: deterministic, small, not a real tokenization
             flat = " ".join(str(m.get("content", "")) for m in messages)
             prompt = [b % 250 for b in flat.encode()][:512] or [1]
             gen = [b % 250 for b in (reasoning + (content or "")).encode()]
             return prompt, gen + ([] if truncated else [250])
-        prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                              return_dict=False))
-        gen = tok.encode(reasoning, add_special_tokens=False)
-        if not truncated:
-            gen += [tok.convert_tokens_to_ids("</think>")]
-            gen += tok.encode(content, add_special_tokens=False)
-            gen += [tok.convert_tokens_to_ids("<|im_end|>")]
-        return prompt, gen
+        return self.fmt.rewrap(messages, reasoning, content, "length" if truncated else "stop")
 
     def completion(self, body: dict, truncated: bool = False, with_ids: bool = True) -> dict:
         messages = body.get("messages") or []

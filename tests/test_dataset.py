@@ -83,8 +83,35 @@ def test_mismatch_is_reported_with_both_sides(tmp_path, fmt, records, capsys):
     assert ex["first"] == len(bad["prompt_token_ids"]) + 3 and ex["ids_side"] != ex["text_side"]
     rec = next(r for r in TrainingSet(d / "tokenized") if r["id"] == bad["id"])
     assert rec["input_ids"] == bad["prompt_token_ids"] + bad["token_ids"]  # (a) kept, and flagged
-    assert rec["stats"]["mismatch"]["count"] == 1
-    assert f"mismatch {bad['id']}" in capsys.readouterr().out
+    assert rec["stats"]["mismatch"]["count"] == 1 and rec["stats"]["mismatch"]["kind"] == "real"
+    assert m["counts"]["mismatch_kinds"] == {"real": 1} and "real" in m["mismatch_causes"]
+    out = capsys.readouterr().out
+    assert f"mismatch {bad['id']} (real)" in out and "warning: 1 real mismatches" in out
+
+
+def test_parser_stripped_whitespace_is_counted_apart_from_real_mismatches(tmp_path, fmt, records, capsys):
+    # The letter-count task ends its reasoning with "\n"; a kimi_k2-like parser returns it stripped.
+    stripped = [r for r in records if r["reasoning"].endswith("\n") and r["finish_reason"] == "stop"]
+    assert len(stripped) >= 2
+    for r in stripped:
+        r["reasoning"] = r["reasoning"].rstrip()
+    bad = next(r for r in records if r not in stripped and r["finish_reason"] == "stop")
+    bad["token_ids"][2] = (bad["token_ids"][2] + 1) % len(fmt.tokenizer)
+    d = raw_dir(tmp_path, records)
+    m = build_training_set(d, d / "tokenized", fmt, tokenizer_name="k25")
+    c = m["counts"]
+    assert c["mismatched"] == len(stripped) + 1
+    assert c["mismatch_kinds"] == {"boundary_whitespace": len(stripped), "real": 1}
+    assert set(m["mismatch_causes"]) == {"boundary_whitespace", "real"}
+    kinds = {e["id"]: e["kind"] for e in m["mismatch_examples"]}
+    assert kinds == {**{r["id"]: "boundary_whitespace" for r in stripped}, bad["id"]: "real"}
+    for rec in TrainingSet(d / "tokenized"):  # the returned ids are what is trained on, either way
+        raw = next(r for r in records if r["id"] == rec["id"])
+        assert rec["input_ids"] == raw["prompt_token_ids"] + raw["token_ids"]
+    out = capsys.readouterr().out
+    assert f"mismatched {len(stripped) + 1} (returned ids vs re-wrapped text: 1 real, {len(stripped)} boundary" in out
+    assert "warning: 1 real mismatches" in out
+    assert out.index(f"mismatch {bad['id']} (real)") < out.index("(boundary_whitespace)")  # real ones first
 
 
 def test_drop_length_truncation_and_no_supervised_tokens(tmp_path, fmt, records):

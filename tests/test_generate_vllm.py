@@ -57,7 +57,11 @@ def test_records_carry_reasoning_content_and_token_ids(generated, tiny_reasoner_
         assert tok.decode(r["token_ids"][cut + 1:-1]).strip() == r["content"].strip()
 
 
-def test_tokenized_set_is_the_returned_ids_and_matches_the_rewrapped_text(generated):
+def test_tokenized_set_is_the_returned_ids_and_matches_the_rewrapped_text(generated, tiny_reasoner_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_reasoner_dir)
+    think_end = tok.convert_tokens_to_ids("</think>")
     raw = {r["id"]: r for r in read_records(generated["out"] / "raw_responses.jsonl")}
     ts = TrainingSet(generated["out"] / "tokenized")
     recs = list(ts)
@@ -67,10 +71,20 @@ def test_tokenized_set_is_the_returned_ids_and_matches_the_rewrapped_text(genera
         assert rec["input_ids"] == r["prompt_token_ids"] + r["token_ids"]
         assert rec["loss_mask"] == [0] * len(r["prompt_token_ids"]) + [1] * len(r["token_ids"])
     c = ts.manifest["counts"]
-    # Path (a) == path (b): vLLM's returned ids equal the reasoning/content re-wrapped in the think
-    # and end-of-turn tokens by the tokenization module. Any difference is shown with both sides.
-    assert c["mismatched"] == 0, ts.manifest["mismatch_examples"]
-    assert c["samples"] == N and "mismatched 0" in generated["second"].stdout
+    # Path (a) == path (b) up to what vLLM's kimi_k2 parser strips: vLLM's returned ids equal the
+    # reasoning/content re-wrapped in the think and end-of-turn tokens by the tokenization module,
+    # except that the tiny target ends its letter-count reasoning with "\n" before </think>, which
+    # the ids keep and `reasoning` loses. Those are counted as boundary whitespace; none is real.
+    ws_ended = [i for i, r in raw.items() if think_end in r["token_ids"]
+                and tok.decode(r["token_ids"][:r["token_ids"].index(think_end)]).endswith("\n")]
+    assert len(ws_ended) >= N // 4, "the tiny target should end a third of its reasoning with a newline"
+    assert c["mismatch_kinds"].get("real", 0) == 0, ts.manifest["mismatch_examples"]
+    assert c["mismatch_kinds"]["boundary_whitespace"] == c["mismatched"] == len(ws_ended)
+    assert {m["id"] for m in ts.manifest["mismatch_examples"]} <= set(ws_ended)
+    assert "boundary_whitespace" in ts.manifest["mismatch_causes"]
+    out = generated["second"].stdout
+    assert c["samples"] == N and f"mismatched {len(ws_ended)} (returned ids vs re-wrapped text: 0 real" in out
+    assert "warning:" not in out
 
 
 def test_the_second_command_resumed(generated):

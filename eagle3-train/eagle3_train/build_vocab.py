@@ -121,9 +121,11 @@ def build_vocab(cfg) -> int:
                     "distinct_tokens_seen": report["distinct_tokens_seen"]},
             tokenizer=theirs, target=describe_target(target_cfg, cfg.target),
             target_vocab_size=vocab_size, draft_vocab_size=k, required_tokens=report["required_tokens"],
-            coverage=report["coverage"])
+            coverage=report["coverage"], text_derived=bool(ts.manifest.get("text_derived")))
     print(summary(report))
     print(f"wrote {out / vocab.MAPPING}, {out / vocab.COVERAGE_PNG}")
+    if ts.manifest.get("text_derived"):
+        print(f"note: {ts.directory} is text-derived (ids re-wrapped from text, see its manifest)")
     return 0
 
 

@@ -70,8 +70,9 @@ class ResponseError(Exception):
         self.kind, self.retryable = kind, retryable
 
 
-def parse_completion(data: bytes) -> dict:
-    """A vLLM chat completion body -> the fields 01b stores. Raises ResponseError."""
+def parse_completion(data: bytes, require_token_ids: bool = True) -> dict:
+    """A vLLM chat completion body -> the fields 01b stores. Raises ResponseError. With
+    require_token_ids=False an answer without ids comes back with both id fields None."""
     try:
         d = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -84,12 +85,15 @@ def parse_completion(data: bytes) -> dict:
     if not isinstance(msg, dict):
         raise ResponseError("bad_schema", "choices[0] has no message", False)
     token_ids, prompt_ids = choice.get("token_ids"), d.get("prompt_token_ids")
-    if token_ids is None or prompt_ids is None:
+    if (token_ids is None or prompt_ids is None) and not require_token_ids:
+        token_ids = prompt_ids = None
+    elif token_ids is None or prompt_ids is None:
         raise ResponseError("no_token_ids", "the server returned no token ids for return_token_ids=true "
-                            "(it needs a vLLM that supports return_token_ids)", False)
+                            "(it needs a vLLM that supports return_token_ids; or pass --allow-text-fallback "
+                            "to re-wrap the text into ids, inexactly)", False)
     # Only the ends are checked here (8K-token answers; this runs in the event loop); every id is
     # range-checked against the tokenizer when the answers are tokenized.
-    if not (isinstance(token_ids, list) and isinstance(prompt_ids, list)
+    if token_ids is not None and not (isinstance(token_ids, list) and isinstance(prompt_ids, list)
             and all(type(t) is int for t in (*token_ids[:1], *token_ids[-1:], *prompt_ids[:1], *prompt_ids[-1:]))):
         raise ResponseError("bad_schema", "token_ids / prompt_token_ids are not lists of ints", False)
     finish = choice.get("finish_reason")
@@ -194,6 +198,7 @@ class ChatClient:
     concurrency: int = 64
     transport: str = "aiohttp"
     seed: int | None = None
+    require_token_ids: bool = True  # False: 01b --allow-text-fallback re-wraps answers without ids
     endpoints: list[Endpoint] = field(default_factory=list, init=False)
     retries: int = field(default=0, init=False)
 
@@ -240,7 +245,7 @@ class ChatClient:
         # An absolute URL: the SDK then parses it once instead of merging it with base_url.
         resp = await ep.client.post(ep.url + "/chat/completions", cast_to=httpx2.Response, content=body,
                                     options={"headers": {"Content-Type": "application/json"}})
-        return parse_completion(resp.content)
+        return parse_completion(resp.content, self.require_token_ids)
 
     async def complete(self, body: bytes) -> Outcome:
         """Send one request, retrying what is worth retrying; never raises for server trouble."""

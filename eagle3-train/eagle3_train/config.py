@@ -40,13 +40,14 @@ from .errors import PipelineError
 
 # ----------------------------------------------------------------------------- stage ids
 # What a stage writes in its manifest's `stage` and what the next stage checks: the script's name.
+IMPORT_TEXT = "01a_import_text"  # writes a GENERATE-format directory (its manifest says GENERATE)
 GENERATE = "01b_generate_synthetic"
 TOKENIZE = "01c_tokenize"
 EXTRACT = "02_extract_hidden_states"
 VOCAB = "03_build_vocab_mapping"
 TRAIN = "04_train"
 EVALUATE = "05_evaluate"
-STAGES = (GENERATE, TOKENIZE, EXTRACT, VOCAB, TRAIN, EVALUATE)
+STAGES = (IMPORT_TEXT, GENERATE, TOKENIZE, EXTRACT, VOCAB, TRAIN, EVALUATE)
 # Ids written before they were the script's name; manifest.read_manifest still accepts them.
 LEGACY_IDS = {"01b": GENERATE, "tokenize": TOKENIZE}
 

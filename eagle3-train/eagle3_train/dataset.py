@@ -15,6 +15,7 @@ from .config import GENERATE, TOKENIZE
 from .configs.generate import RAW
 from .errors import PipelineError
 from .manifest import read_manifest
+from .mismatch import Tally, report_lines, summary_by_kind
 from .store import Line, jsonl_lines, parse_json_line, read_jsonl
 
 STAGE = TOKENIZE
@@ -103,21 +104,6 @@ def summarize(records: Iterable[dict]) -> dict:
 # ----------------------------------------------------------------------------- the tokenize step
 
 RAW_STAGE = GENERATE
-MISMATCH_EXAMPLES = 5  # mismatches described in full in the manifest; all are counted
-
-
-def _window(fmt, ids: list[int], at: int, width: int = 6) -> str:
-    return fmt.tokenizer.decode(ids[max(0, at - width): at + width], skip_special_tokens=False)
-
-
-def describe_mismatch(sample: dict, tok, fmt) -> dict:
-    """Where the returned ids and the re-wrapped text part ways, decoded on both sides."""
-    from .tokenization import tokenize_sample
-
-    text_only = tokenize_sample({**sample, "prompt_token_ids": None, "token_ids": None}, fmt)
-    at = tok.mismatch["first"]
-    return {"id": sample["id"], **tok.mismatch, "in_prompt": at < tok.prompt_len,
-            "ids_side": _window(fmt, tok.input_ids, at), "text_side": _window(fmt, text_only.input_ids, at)}
 
 
 def is_empty_answer(sample: dict) -> bool:
@@ -170,7 +156,7 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
         tmp = out_dir / f"{TMP_PREFIX}{DATA}"
         counts = Counter()
         finish = Counter()
-        mismatches: list[dict] = []
+        mismatches = Tally()
         kept: list[dict] = []  # stand-ins for summarize(): it only takes lengths and sums
         seen: set[str] = set()
         total = raw_manifest.get("counts", {}).get("records_in_file") or 0
@@ -197,8 +183,8 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
                     t = tokenize_sample(sample, fmt, max_seq_len=max_seq_len, loss_on=loss_on)
                     if t.mismatch is not None:
                         counts["mismatched"] += 1
-                        if len(mismatches) < MISMATCH_EXAMPLES:
-                            mismatches.append(describe_mismatch(sample, t, fmt))
+                        mismatches.add(sample, t, fmt)
+                    counts["text_derived"] += t.source == "text"
                     if t.num_truncated:
                         counts["truncated"] += 1
                     if t.num_supervised == 0:
@@ -220,16 +206,17 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
         summary = summarize(kept)
         all_counts = {**summary, **{k: counts[k] for k in (
             "input_records", "mismatched", "truncated", "kept_length", "dropped_length",
-            "dropped_no_supervised_tokens", "dropped_empty_answer", "dropped_duplicate_id")},
-            "finish_reasons": dict(finish)}
+            "dropped_no_supervised_tokens", "dropped_empty_answer", "dropped_duplicate_id", "text_derived")},
+            "mismatch_kinds": dict(mismatches.kinds), "finish_reasons": dict(finish)}
         manifest = write_manifest(
             out_dir, STAGE, config=config,
             inputs={"raw_responses": {**describe_file(raw_path, hash_it=False), "sha256": raw_sha},
                     "raw_manifest": {"created": raw_manifest.get("created"),
                                      "model": raw_manifest.get("target", {}).get("model")}},
             outputs={"data": describe_file(out_dir / DATA, hash_it=False)}, counts=all_counts,
-            tokenizer=tok_desc, chat_format=fmt.describe(), mismatch_examples=mismatches, build_key=key)
-    log(format_summary(all_counts, mismatches, out_dir / DATA))
+            tokenizer=tok_desc, chat_format=fmt.describe(), **mismatches.manifest_fields(),
+            text_derived=bool(counts["text_derived"] or raw_manifest.get("text_derived")), build_key=key)
+    log(format_summary(all_counts, mismatches.examples, out_dir / DATA))
     return manifest
 
 
@@ -253,12 +240,12 @@ def format_summary(c: dict, mismatches: list[dict], path: Path) -> str:
     lines = [f"tokenize: {c['samples']} samples ({c['tokens']} tokens, {c['supervised_tokens']} supervised) "
              f"-> {path}",
              f"  from {c['input_records']} answers: mismatched {c['mismatched']} (returned ids vs "
-             f"re-wrapped text), truncated {c['truncated']}, kept cut-by-length {c['kept_length']}; "
+             f"re-wrapped text: {summary_by_kind(c.get('mismatch_kinds', {}))}), truncated {c['truncated']}, "
+             f"kept cut-by-length {c['kept_length']}; "
              f"dropped: length {c['dropped_length']}, no supervised tokens "
              f"{c['dropped_no_supervised_tokens']}, empty answer {c['dropped_empty_answer']}, "
              f"duplicate id {c['dropped_duplicate_id']}"]
-    for m in mismatches:
-        lines.append(f"  mismatch {m['id']}: {m['count']} positions differ from {m['first']} "
-                     f"({'prompt' if m['in_prompt'] else 'answer'}): ids {m['ids_side']!r} vs text "
-                     f"{m['text_side']!r}")
-    return "\n".join(lines)
+    if c.get("text_derived"):
+        lines.append(f"warning: {c['text_derived']} samples are text-derived (ids re-wrapped from "
+                     "reasoning/content, not returned by the server)")
+    return "\n".join(lines + report_lines(c.get("mismatch_kinds", {}), mismatches))

@@ -35,6 +35,7 @@ from .manifest import MANIFEST, describe_file, write_manifest
 from .progress import Progress
 from .prompts import Prompt, load_prompts, parse_shard
 from .store import DirLock, JsonlWriter, atomic_write_text, clean_temp_files, pending_ids, read_jsonl
+from .text_import import TEXT_WARNING, text_answer, text_warning
 
 STAGE = GENERATE
 
@@ -114,16 +115,19 @@ class RunResult:
     new_answers: int
     new_errors: int
     tokens: int
+    text_derived: int = 0  # answers in the file whose ids were re-wrapped from text
 
 
-async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progress) -> dict:
+async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progress, text_fmt=None) -> dict:
+    """`text_fmt` (a ChatFormat) set: answers without token ids are re-wrapped from their text."""
     client = ChatClient(args.base_url, args.model, timeout=args.timeout, max_retries=args.max_retries,
                         backoff_base=args.backoff_base, backoff_max=args.backoff_max,
                         connect_timeout=args.connect_timeout, api_key=args.api_key,
-                        concurrency=args.concurrency, transport=args.transport)
+                        concurrency=args.concurrency, transport=args.transport,
+                        require_token_ids=text_fmt is None)
     loop = asyncio.get_running_loop()
     stats = {"answered": 0, "failed": 0, "tokens": 0, "interrupted": None, "finish": Counter(),
-             "error_types": Counter()}
+             "error_types": Counter(), "text_derived": 0}
     written: set[str] = set()
     consecutive = [0]
     it = iter(prompts)
@@ -142,6 +146,9 @@ async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progre
             written.add(p.id)
             if out.ok:
                 a = out.answer
+                if a["token_ids"] is None:  # only with --allow-text-fallback (see text_import)
+                    a = text_answer(text_fmt, p.messages, a)
+                    stats["text_derived"] += 1
                 raw.write({"id": p.id, "messages": p.messages, **a, "sampling": sampling,
                            "endpoint": out.endpoint, "latency_s": out.latency_s, "attempts": out.attempts,
                            "created": _now()})
@@ -228,6 +235,11 @@ def run_generation(args) -> RunResult:
         ps = load_prompts(args.input, split=args.split, config=args.dataset_config, limit=args.limit,
                           shard=shard, id_key=args.id_field, skip_invalid=args.skip_invalid)
         rerun.prepare(args, source_identity(args, ps.source))
+        text_fmt = None
+        if args.allow_text_fallback:  # load the tokenizer before any request
+            from .tokenization import chat_format_from_args
+
+            text_fmt = chat_format_from_args(args, default_tokenizer=args.model)
         raw_path, err_path = out_dir / RAW, out_dir / ERRORS
         JsonlWriter(raw_path).close()  # repairs a torn tail left by kill -9 before we read it
         committed = set(committed_ids(raw_path))
@@ -245,7 +257,7 @@ def run_generation(args) -> RunResult:
                                 every_s=args.progress_every, unit="req")
             note = "failed"
             try:
-                stats = asyncio.run(_generate(todo, args, out_dir, progress))
+                stats = asyncio.run(_generate(todo, args, out_dir, progress, text_fmt))
                 note = f"stopped by {stats['interrupted']}" if stats["interrupted"] else "finished"
             finally:
                 progress.close(note)
@@ -254,10 +266,11 @@ def run_generation(args) -> RunResult:
         requested = set(ps.ids)
         answered = len(requested & committed)
         still_failed = len(requested & set(failed))
+        text_derived = None
         if stats["interrupted"] is None:
-            _write_manifest(out_dir, args, ps, answered, still_failed, stats)
+            text_derived = _write_manifest(out_dir, args, ps, answered, still_failed, stats)
         return RunResult(len(ps.ids), answered, still_failed, stats["interrupted"], stats["answered"],
-                         stats["failed"], stats["tokens"])
+                         stats["failed"], stats["tokens"], text_derived or 0)
 
 
 def run_stage(cfg) -> int:
@@ -270,6 +283,8 @@ def run_stage(cfg) -> int:
         return 143 if res.interrupted == "SIGTERM" else 130
     print(f"01b: {res.answered}/{res.requested} answered ({res.new_answers} this run, "
           f"{res.tokens} tokens), {res.failed} failed -> {cfg.output_dir / RAW}")
+    if res.text_derived:
+        print(text_warning(res.text_derived, res.answered), file=sys.stderr)
     if cfg.tokenize:
         from .dataset import build_training_set
         from .tokenization import chat_format_from_args
@@ -285,11 +300,13 @@ def run_stage(cfg) -> int:
     return 0
 
 
-def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: dict) -> None:
-    finish, prompt_tokens, gen_tokens = Counter(), 0, 0
+def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: dict) -> int:
+    """Writes the manifest; returns how many answers in it are text-derived."""
+    finish, prompt_tokens, gen_tokens, text_derived = Counter(), 0, 0, 0
     requested = set(ps.ids)
     for rec in read_jsonl(out_dir / RAW):
         if rec.get("id") in requested:
+            text_derived += rec.get("source") == "text"
             finish[rec.get("finish_reason")] += 1
             prompt_tokens += len(rec.get("prompt_token_ids") or ())
             gen_tokens += len(rec.get("token_ids") or ())
@@ -301,8 +318,10 @@ def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: 
         counts={"requested": len(ps.ids), "answered": answered, "failed": failed,
                 "finish_reasons": dict(finish), "error_types": dict(error_types),
                 "prompt_tokens": prompt_tokens, "generated_tokens": gen_tokens,
-                "records_in_file": sum(1 for _ in read_jsonl(out_dir / RAW)),
+                "records_in_file": sum(1 for _ in read_jsonl(out_dir / RAW)), "text_derived": text_derived,
                 "this_run": {"answered": stats["answered"], "failed": stats["failed"],
-                             "retries": stats["retries"]}},
+                             "retries": stats["retries"], "text_derived": stats.get("text_derived", 0)}},
         target={"model": args.model, "base_urls": list(args.base_url)},
-        identity={**args.identity(), **source_identity(args, ps.source)})
+        identity={**args.identity(), **source_identity(args, ps.source)}, text_derived=bool(text_derived),
+        **({"text_warning": TEXT_WARNING} if text_derived else {}))
+    return text_derived

@@ -88,7 +88,9 @@ def _task_count(rng: random.Random) -> tuple[str, str, str]:
         hit = ch == letter
         n += hit
         steps.append(f"{ch} {'yes' if hit else 'no'} {n}.")
-    reasoning = f"I check each letter of {word} for {letter}. " + " ".join(steps) + f" I found {n}."
+    # Ends with a newline before </think>, as real reasoners often do: vLLM's kimi_k2 parser strips
+    # it from `reasoning` (the returned ids keep it), so the tests meet that mismatch (1/3 of tasks).
+    reasoning = f"I check each letter of {word} for {letter}. " + " ".join(steps) + f" I found {n}.\n"
     return f"How many times does {letter} appear in {word}?", reasoning, f"{letter} appears {n} times."
 
 

@@ -12,18 +12,15 @@ import time
 from pathlib import Path
 
 from .tiny import build_tokenizer, llama_config, synthetic_examples
+from .tokenization import ChatFormat, tokenize_sample
 
 
-def _render(tokenizer, ex: dict) -> tuple[list[int], list[int]]:
-    """Chat-rendered training sequence: loss only on the assistant's generated part."""
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": ex["question"]}], add_generation_prompt=True,
-        tokenize=True, return_dict=False)
-    gen = (tokenizer.encode(ex["reasoning"], add_special_tokens=False)
-           + [tokenizer.convert_tokens_to_ids("</think>")]
-           + tokenizer.encode(ex["answer"], add_special_tokens=False)
-           + [tokenizer.convert_tokens_to_ids("<|im_end|>")])
-    return list(prompt) + gen, [0] * len(prompt) + [1] * len(gen)
+def _render(fmt, ex: dict) -> tuple[list[int], list[int]]:
+    """Chat-rendered training sequence: loss only on the assistant's generated part. Built by the
+    shared tokenization module, so the target learns exactly the turn layout 01c re-wraps."""
+    t = tokenize_sample({"id": "tiny", "messages": [{"role": "user", "content": ex["question"]}],
+                         "reasoning": ex["reasoning"], "content": ex["answer"]}, fmt)
+    return t.input_ids, t.loss_mask
 
 
 def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: float = 3e-3,
@@ -39,7 +36,8 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
     tok_dir = out_dir / "_tokenizer"
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else build_tokenizer(tok_dir)
     examples = synthetic_examples(n_examples, seed=1000 + seed)
-    seqs = [_render(tokenizer, ex) for ex in examples]
+    fmt = ChatFormat.from_tokenizer(tokenizer)
+    seqs = [_render(fmt, ex) for ex in examples]
     # head_dim stays 32: vLLM's CPU attention kernels do not take 16.
     cfg = llama_config(tokenizer, hidden=hidden, heads=hidden // 32, kv_heads=1, intermediate=4 * hidden)
     model = LlamaForCausalLM(cfg).to(device)

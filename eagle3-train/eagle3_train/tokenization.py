@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import PipelineError
+from .mismatch import classify_mismatch, compare_ids
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -101,15 +102,20 @@ class ChatFormat:
 
     def opens_thinking(self, prompt_ids: Sequence[int]) -> str:
         """What the generation prompt leaves for the model to write, read off the rendered ids:
-        'inside' (prompt ends with <think>, K2.5), 'closed' (ends with <think></think>: thinking
-        switched off), 'before' (the model writes <think> itself, K2-Thinking/Qwen3), 'none'."""
+        'inside' (the prompt opens <think> and leaves it open, K2.5), 'closed' (it opens and closes
+        it: thinking switched off, K2.5's `<think></think>` or Qwen3's `<think>\n\n</think>\n\n`),
+        'before' (the model writes <think> itself, K2-Thinking/Qwen3), 'none'."""
         if not self.reasoning:
             return "none"
-        if prompt_ids and prompt_ids[-1] == self.think_start_id:
-            return "inside"
-        if len(prompt_ids) >= 2 and list(prompt_ids[-2:]) == [self.think_start_id, self.think_end_id]:
-            return "closed"
-        return "before"
+        # Only the generation prompt counts: earlier turns before the last end-of-turn carry think
+        # tokens of their own (K2.5 renders them as an empty <think></think>).
+        tail = list(prompt_ids)
+        if self.end_of_turn_id in tail:
+            tail = tail[len(tail) - tail[::-1].index(self.end_of_turn_id):]
+        if self.think_start_id not in tail:
+            return "before"
+        opened = len(tail) - tail[::-1].index(self.think_start_id)
+        return "closed" if self.think_end_id in tail[opened:] else "inside"
 
     def generated_ids(self, prompt_ids: Sequence[int], reasoning: str | None, content: str | None,
                       finish_reason: str | None = "stop") -> list[int]:
@@ -129,6 +135,13 @@ class ChatFormat:
             out.append(self.end_of_turn_id)
         return out
 
+    def rewrap(self, messages: list[dict], reasoning: str | None, content: str | None,
+               finish_reason: str | None = "stop") -> tuple[list[int], list[int]]:
+        """Path (b) whole: the rendered generation prompt and the answer rebuilt from its texts
+        (think-start if the target writes it, reasoning, think-end, content, end-of-turn)."""
+        prompt = self.render(messages, add_generation_prompt=True)
+        return prompt, self.generated_ids(prompt, reasoning, content, finish_reason)
+
     def describe(self) -> dict:
         d = asdict(self)
         d.pop("tokenizer", None)
@@ -141,22 +154,12 @@ class Tokenized:
     loss_mask: list[int]
     prompt_len: int
     num_truncated: int
-    source: str  # "token_ids" (path a) or "text" (path b)
-    mismatch: dict | None = None  # when both paths exist and differ: count, first, lengths
+    source: str  # "token_ids" (path a) or "text" (path b, or ids that were made from text)
+    mismatch: dict | None = None  # when both paths exist and differ: count, first, lengths, kind
 
     @property
     def num_supervised(self) -> int:
         return sum(self.loss_mask)
-
-
-def compare_ids(a: Sequence[int], b: Sequence[int]) -> dict | None:
-    """None if equal, else how many positions differ and the first one."""
-    n = min(len(a), len(b))
-    diff = [i for i in range(n) if a[i] != b[i]]
-    count = len(diff) + abs(len(a) - len(b))
-    if count == 0:
-        return None
-    return {"count": count, "first": diff[0] if diff else n, "len_ids": len(a), "len_text": len(b)}
 
 
 def _check_vocab(ids: Sequence[int], vocab: int, what: str, sample_id) -> None:
@@ -215,14 +218,13 @@ def tokenize_sample(sample: dict, fmt: ChatFormat, *, max_seq_len: int | None = 
 
     text_ids = None
     if has_text or not has_ids:
-        text_prompt = fmt.render(messages, add_generation_prompt=True)
-        text_ids = (text_prompt, fmt.generated_ids(text_prompt, sample.get("reasoning"),
-                                                   sample.get("content"), finish))
+        text_ids = fmt.rewrap(messages, sample.get("reasoning"), sample.get("content"), finish)
     if has_ids:
         prompt, gen = list(sample["prompt_token_ids"]), list(sample["token_ids"])
         _check_vocab(prompt, vocab, "prompt_token_ids", sid)
         _check_vocab(gen, vocab, "token_ids", sid)
-        source = "token_ids"
+        # Ids made by re-wrapping text (01a, or 01b's text fallback) stay marked as text-derived.
+        source = "text" if sample.get("source") == "text" else "token_ids"
     else:
         prompt, gen = text_ids
         source = "text"
@@ -238,6 +240,9 @@ def tokenize_sample(sample: dict, fmt: ChatFormat, *, max_seq_len: int | None = 
     mismatch = None
     if has_ids and has_text:
         mismatch = compare_ids(input_ids, text_ids[0] + text_ids[1])
+        if mismatch is not None:
+            mismatch["kind"] = classify_mismatch(fmt, prompt, gen, text_ids[0], sample.get("reasoning"),
+                                                 sample.get("content"), finish)
 
     truncated = 0
     if max_seq_len is not None and len(input_ids) > max_seq_len:

@@ -20,7 +20,8 @@ TRANSPORTS = ("aiohttp", "httpx")
 class GenerateConfig(TokenizeSettings, StageConfig):
     """What makes records one data set (not resumable): the input, the model and the sampling.
     Endpoints, concurrency, timeouts, retries, --limit and --shard only decide how and how much is
-    generated, so they may change between a run and its resume."""
+    generated, so they may change between a run and its resume; --allow-text-fallback decides what
+    an id-less answer becomes, so it may not."""
 
     stage: ClassVar[str] = GENERATE
     outputs: ClassVar[tuple[str, ...] | None] = (RAW, ERRORS, PROGRESS_LOG, "tokenized")
@@ -61,6 +62,12 @@ class GenerateConfig(TokenizeSettings, StageConfig):
         "stop when this many samples in a row fail after retries; 0 = never (default: 64)"))
     transport: str = setting("aiohttp", resume=True, help="HTTP layer under the openai SDK")
     no_preflight: bool = setting(False, resume=True, help="skip checking that each endpoint serves --model (default: check)")
+    # Not resumable: it decides whether an id-less answer is written (text-derived) or fails, so a
+    # run's records are either all the server's ids or were allowed text fallback from the start.
+    allow_text_fallback: bool = setting(False, help=(
+        "an answer without token ids (SGLang, a hosted API) gets ids re-wrapped from its reasoning/content "
+        "with --tokenizer, marked source=text and counted, as 01a_import_text.py does (default: refuse it; "
+        "inexact, see 01a)"))
 
     # sampling
     max_tokens: int | None = setting(None, help="max generated tokens (default: up to the context)")
