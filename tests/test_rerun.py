@@ -151,3 +151,15 @@ def test_a_setting_that_became_resumable_is_not_compared(tmp_path):
     with pytest.raises(PipelineError) as e:
         rerun.check(tmp_path / "p", "99_toy", {"k": "y"})
     assert len(str(e.value)) < 400 and "..." in str(e.value)
+
+
+def test_a_setting_added_since_the_record_counts_as_its_default(tmp_path):
+    out = tmp_path / "o"
+    rerun.check(out, "99_toy", {"data": "d.jsonl"})  # recorded before `size` existed
+    assert rerun.prepare(toy(tmp_path)) is None  # size left at its default 8: the same run
+    with pytest.raises(PipelineError) as e:
+        rerun.prepare(toy(tmp_path, size=9))
+    assert "size=8; this run has size=9" in str(e.value)
+    # an input the record lacks is still a difference
+    with pytest.raises(PipelineError, match="data_sha256=None"):
+        rerun.prepare(toy(tmp_path), {"data_sha256": "aa"})

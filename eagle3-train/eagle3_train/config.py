@@ -131,6 +131,14 @@ class Settings:
             out[f.name] = value
         return out
 
+    @classmethod
+    def identity_defaults(cls) -> dict:
+        """The defaults of the identity's fields, JSON-ready (what a record made before a field
+        existed is taken to have held)."""
+        skip = cls.resumable()
+        return {f.name: _plain(d) for f in dataclasses.fields(cls)
+                if f.name not in skip and (d := cls.default(f.name)) is not MISSING}
+
     def identity(self) -> dict:
         """The settings a resume must match: every field not marked resume=True."""
         skip = self.resumable()
