@@ -133,7 +133,7 @@ def main(argv=None):
                 backend = vx.VllmBackend(ecfg, num_layers=N, aux_ids=aux, max_len=args.max_len)
                 t0 = time.perf_counter()
                 try:
-                    extract.extract_shards(backend, inp, plan["shards"], out, storage=args.storage, aux_ids=aux,
+                    extract.extract_shards(backend, inp, plan, out, storage=args.storage, aux_ids=aux,
                                            N=N, index=hs.INDEX)
                 finally:
                     backend.close()
@@ -141,14 +141,14 @@ def main(argv=None):
 
     p, b, e = min(plain), min(bare), min(full)
     res = {"model": model, "samples": args.samples, "tokens": tokens, "concurrency": args.concurrency,
-           "storage": args.storage, "shards": len(plan["shards"]),
+           "storage": args.storage, "shards": len(plan),
            "plain_tok_s": tokens / p, "bare_tok_s": tokens / b, "extract_tok_s": tokens / e,
            "ratio": p / e, "ratio_server_side": p / b, "ratio_client_side": b / e,
            "rounds_s": {"plain": plain, "bare": bare, "extract": full}}
     print(f"plain prefill {res['plain_tok_s']:8.0f} tok/s   extractor server, files unread {res['bare_tok_s']:8.0f} "
           f"tok/s   02 --backend vllm {res['extract_tok_s']:8.0f} tok/s")
     print(f"ratio extract / plain = {res['ratio']:.3f} (goal >= 0.9)   server side {res['ratio_server_side']:.3f}   "
-          f"client side {res['ratio_client_side']:.3f}   ({tokens} tokens, {len(plan['shards'])} shards, "
+          f"client side {res['ratio_client_side']:.3f}   ({tokens} tokens, {len(plan)} shards, "
           f"concurrency {args.concurrency})")
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
