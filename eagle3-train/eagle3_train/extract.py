@@ -350,8 +350,15 @@ def extract_shards(backend, inp: InputSet, shards: Sequence[dict], out: Path, *,
     with Progress("02 extract", total, unit="sample", log_path=out / "progress.log", every_s=progress_every) as bar, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
         writing: Future | None = None
-        for shard in shards:
-            records = inp.records(shard["ids"])
+        # A backend that queues requests (vllm) gets the next shard's samples while it computes this
+        # one's, so its workers never idle at a shard boundary.
+        prefetch = getattr(backend, "prefetch", None)
+        upcoming = inp.records(shards[0]["ids"]) if shards else []
+        for i, shard in enumerate(shards):
+            records, upcoming = upcoming, inp.records(shards[i + 1]["ids"]) if i + 1 < len(shards) else []
+            if prefetch is not None:
+                prefetch(records)
+                prefetch(upcoming)
             parts: list[dict[str, torch.Tensor]] = []
             for batch in backend.batches(records):
                 res = backend.run(batch)

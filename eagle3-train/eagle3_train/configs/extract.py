@@ -33,14 +33,16 @@ class ExtractConfig(StageConfig):
                                     help="tokenizer to check the input against (default: the target's)")
     backend: str = setting("hf", resume=True,
                            help="hf: transformers on CPU/GPU(s); vllm: a vLLM server with extract_hidden_states "
-                                "(needs a GPU) (default: hf)")
+                                "(default: hf)")
     layers: str | None = setting(None, resume=True,
                                  help="auxiliary layer ids, comma-separated; id i = input of layer i "
                                       "(default: vLLM's 2,N//2,N-3)")
     dtype: str = setting("auto", resume=True,
                          help="compute dtype of the hf target (default: auto = bfloat16 on GPU, float32 on CPU)")
     device: str = setting("auto", resume=True,
-                          help="hf device: auto, cpu, cuda, cuda:1 ... (default: auto = cuda:LOCAL_RANK if any)")
+                          help="the hf target's device, or the vllm backend's top-k head's (--storage fp8-topk; "
+                               "e.g. cpu or a GPU vLLM leaves free): auto, cpu, cuda, cuda:1 ... "
+                               "(default: auto = cuda:LOCAL_RANK if any)")
     device_map: str | None = setting(None, resume=True,
                                      help="hf device_map for a target larger than one GPU, e.g. auto (default: none)")
 
