@@ -85,7 +85,8 @@ def test_run_writes_checkpoints_metrics_curves_export_and_manifest(reference, in
     # The export holds the best checkpoint's trained tensors.
     w = load_file(str(export / "model.safetensors"))
     ckpt = torch.load(dict(checkpoints(reference))[best] / "weights.pt", weights_only=True)
-    assert torch.equal(w["fc.weight"], ckpt["draft.fc.weight"])
+    assert w["fc.weight"].dtype == torch.bfloat16  # --export-dtype bf16, the default
+    assert torch.equal(w["fc.weight"], ckpt["draft.fc.weight"].to(torch.bfloat16))
 
     # Rerunning the finished command does nothing and says so.
     n_lines = len((reference / METRICS).read_text().splitlines())
