@@ -163,6 +163,36 @@ def test_export_loads_in_speculators_with_identical_logits(inputs, tmp_path):
         assert torch.equal(y.argmax(-1), t)
 
 
+def test_bf16_export_is_bf16_on_disk_and_loads_back_identical_in_bf16(inputs, tmp_path):
+    """04's default --export-dtype: half the bytes of fp32; the loaded model gives the same logits
+    as the bf16 model it was exported from."""
+    from speculators.model import SpeculatorModel
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+
+    store = inputs["store"]
+    model = make(inputs, attn_impl="sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    fp32 = D.export_draft(model.eval(), tmp_path / "fp32")
+    out = D.export_draft(model.to(torch.bfloat16), tmp_path / "bf16")
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        floats = {f.get_tensor(k).dtype for k in f.keys() if f.get_tensor(k).is_floating_point()}
+        assert floats == {torch.bfloat16} and f.get_tensor("d2t").dtype == inputs["d2t"].dtype
+    assert (out / "model.safetensors").stat().st_size < 0.6 * (fp32 / "model.safetensors").stat().st_size
+    config = Eagle3SpeculatorConfig.from_pretrained(str(out))
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    loaded = SpeculatorModel.from_pretrained(str(out), config=config, torch_dtype=torch.bfloat16).eval()
+    assert loaded.fc.weight.dtype == torch.bfloat16
+    aux, tok, pos, doc, _, _ = packed(store, store.ids[:2])
+    with torch.no_grad():
+        a = list(D.unroll(model, aux.to(torch.bfloat16), tok, pos, doc, 3))
+        b = list(D.unroll(loaded, aux.to(torch.bfloat16), tok, pos, doc, 3))
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
 def test_narrow_draft_learns_its_own_embeddings_and_exports_them(inputs, tmp_path):
     """Draft width 64 under a 128-wide target: fc reads 3 x 128, embed_tokens/lm_head are the
     draft's own (trainable) and the export carries embed_tokens, as vLLM needs."""

@@ -31,7 +31,8 @@ def heldout_ids(store_ids: Sequence[str], draft: dict) -> tuple[list[str], str]:
     man = json.loads(Path(found["path"]).read_text()) if found.get("stage") == TRAIN else {}
     split = man.get("split") or {}
     ids = split.get("heldout_ids") or split.get("val_ids") or man.get("val_ids")
-    if ids:
+    if ids or "val_ids" in split:  # exactly 04's validation ids: its other held-out samples were trained on
+        ids = ids or []
         keep = set(ids)
         return [i for i in store_ids if i in keep], "04 manifest (held-out ids)"
     fraction = split.get("heldout_fraction", split.get("val_fraction"))
