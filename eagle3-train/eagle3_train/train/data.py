@@ -107,8 +107,8 @@ class Batch:
 def collate(store, ids: list[str], cap: int | None, aux_index: list[int], pad_to: int | None = None) -> Batch:
     """Load and shift samples (EAGLE-3 pairs the aux state of token j with token j+1, whose
     target distribution is the target's prediction for token j+2), each cut to `cap` shifted
-    tokens (None: whole), then pack them; padded to `pad_to`, or to the next multiple of 128 past
-    it when the batch is longer (a sample longer than a batch)."""
+    tokens (None: whole), then pack them; padded to `pad_to` (a multiple of 128), or to the next
+    multiple of it when the batch is longer (a sample longer than a batch)."""
     parts = {k: [] for k in ("aux", "ids", "pos", "doc", "last", "tk", "tl", "fid", "fmask", "fdoc", "tofull")}
     s_off = t_off = truncated = 0
     for d, sid in enumerate(ids):
@@ -137,8 +137,8 @@ def collate(store, ids: list[str], cap: int | None, aux_index: list[int], pad_to
     cat = lambda k: torch.cat(parts[k]) if parts[k] else None  # noqa: E731
     aux, tok, pos, doc = cat("aux"), cat("ids"), cat("pos"), cat("doc")
     last, tk, tl = cat("last"), cat("tk"), cat("tl")
-    if pad_to and s_off > pad_to:
-        pad_to = -(-s_off // 128) * 128
+    if pad_to and s_off > pad_to:  # whole multiples: flex compiles once per length (dynamic=False)
+        pad_to = -(-s_off // pad_to) * pad_to
     pad = (pad_to - s_off) if pad_to and s_off < pad_to else 0
     if pad:
         z = lambda t, v=0: None if t is None else torch.cat([t, t.new_full((pad, *t.shape[1:]), v)])  # noqa: E731
