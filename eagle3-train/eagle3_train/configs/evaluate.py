@@ -115,7 +115,8 @@ class EvalConfig(StageConfig):
         import torch
 
         device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
-        dtype = self.offline_dtype if self.offline_dtype != "auto" else ("bf16" if device.startswith("cuda") else "fp32")
+        gpu_default = "bf16" if device.startswith("cuda") else "fp32"
+        dtype = self.offline_dtype if self.offline_dtype != "auto" else gpu_default
         return device, dtype
 
     def model_len(self, longest_prompt: int) -> int:

@@ -72,9 +72,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def load_draft(draft_dir: Path, target: Path, *, device: str = "cpu", dtype: str = "fp32"):
     """The export as speculators' Eagle3DraftModel, on `device` in `dtype`, with sdpa attention
-    (flex attention needs a GPU and a compile). Built from its config and loaded from its weights directly, so a draft narrower
-    than the target (fc of n_aux * target_hidden, see draft.py) loads too; embed_tokens comes from
-    the target when the export leaves it out (vLLM shares the target's then)."""
+    (flex attention needs a compile). Built from its config and loaded from its weights directly,
+    so a draft narrower than the target (fc of n_aux * target_hidden, see draft.py) loads too;
+    embed_tokens comes from the target when the export leaves it out (vLLM shares the target's)."""
     from safetensors.torch import load_file
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
