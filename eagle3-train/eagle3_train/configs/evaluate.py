@@ -109,7 +109,6 @@ class EvalConfig(StageConfig):
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "seed": self.seed}
 
-    @property
     def offline_placement(self) -> tuple[str, str]:
         """(device, dtype name) the offline part runs in: bf16 on a GPU, fp32 on CPU by default."""
         import torch
