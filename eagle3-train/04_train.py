@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eagle3_train.configs.train import TrainConfig
+from eagle3_train.configs.train import EXPORT_DTYPES, TrainConfig
 from eagle3_train.errors import run_main
 
 
@@ -50,6 +50,7 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--train-embeddings", action="store_true", **C.arg("train_embeddings"))
     g.add_argument("--train-lm-head", action="store_true", **C.arg("train_lm_head"))
     g.add_argument("--num-speculative-tokens", type=int, **C.arg("num_speculative_tokens"))
+    g.add_argument("--export-dtype", choices=EXPORT_DTYPES, **C.arg("export_dtype"))
     g = p.add_argument_group("objective")
     g.add_argument("--ttt-steps", type=int, **C.arg("ttt_steps"))
     g.add_argument("--ttt-decay", **C.arg("ttt_decay"))
@@ -65,6 +66,7 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--grad-clip", type=float, **C.arg("grad_clip"))
     g = p.add_argument_group("data")
     g.add_argument("--max-tokens-per-batch", type=int, **C.arg("max_tokens_per_batch"))
+    g.add_argument("--max-sample-tokens", type=int, **C.arg("max_sample_tokens"))
     g.add_argument("--grad-accum", type=int, **C.arg("grad_accum"))
     g.add_argument("--epochs", type=int, **C.arg("epochs"))
     g.add_argument("--max-steps", type=int, **C.arg("max_steps"))

@@ -18,7 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
-from eagle3_train.configs.evaluate import EvalConfig
+from eagle3_train.configs.evaluate import OFFLINE_DTYPES, EvalConfig
 from eagle3_train.errors import run_main
 
 
@@ -47,6 +47,8 @@ def parse_args(argv=None) -> EvalConfig:
     g.add_argument("--store", type=Path, **C.arg("store"))
     g.add_argument("--max-offline-samples", type=int, **C.arg("max_offline_samples"))
     g.add_argument("--offline-tokens-per-batch", type=int, **C.arg("offline_tokens_per_batch"))
+    g.add_argument("--device", **C.arg("device"))
+    g.add_argument("--offline-dtype", choices=OFFLINE_DTYPES, **C.arg("offline_dtype"))
     g = p.add_argument_group("online, in vLLM")
     g.add_argument("--prompts", type=Path, **C.arg("prompts"))
     g.add_argument("--num-prompts", type=int, **C.arg("num_prompts"))

@@ -163,6 +163,46 @@ def test_export_loads_in_speculators_with_identical_logits(inputs, tmp_path):
         assert torch.equal(y.argmax(-1), t)
 
 
+def test_bf16_export_is_bf16_on_disk_and_loads_back_identical_in_bf16(inputs, tmp_path):
+    """04's default --export-dtype: half the bytes of fp32, every weight the bf16 rounding of the
+    trained one; loaded back (in fp32, as 05 on CPU loads it) it gives the logits of the draft with
+    its weights rounded to bf16, bit for bit."""
+    from speculators.model import SpeculatorModel
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+
+    store = inputs["store"]
+    model = make(inputs, attn_impl="sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    fp32 = D.export_draft(model.eval(), tmp_path / "fp32")
+    with torch.no_grad():  # what 04 does: the draft cast to bf16 (parameters and buffers alike)
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        buffers = {n: b.clone() for n, b in model.named_buffers()}  # rope's inv_freq is rebuilt on load
+        out = D.export_draft(model.to(torch.bfloat16), tmp_path / "bf16")
+        model.float()
+        for n, p in model.named_parameters():  # the trained fp32 weights, rounded to bf16
+            p.copy_(params[n].to(torch.bfloat16).float())
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        floats = {f.get_tensor(k).dtype for k in f.keys() if f.get_tensor(k).is_floating_point()}
+        assert floats == {torch.bfloat16} and f.get_tensor("d2t").dtype == inputs["d2t"].dtype
+        assert torch.equal(f.get_tensor("fc.weight"), params["fc.weight"].to(torch.bfloat16))
+    assert (out / "model.safetensors").stat().st_size < 0.6 * (fp32 / "model.safetensors").stat().st_size
+    config = Eagle3SpeculatorConfig.from_pretrained(str(out))
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    loaded = SpeculatorModel.from_pretrained(str(out), config=config, torch_dtype=torch.float32).eval()
+    assert loaded.fc.weight.dtype == torch.float32
+    aux, tok, pos, doc, _, _ = packed(store, store.ids[:2])
+    with torch.no_grad():
+        a = list(D.unroll(model.eval(), aux, tok, pos, doc, 3))
+        b = list(D.unroll(loaded, aux, tok, pos, doc, 3))
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
 def test_narrow_draft_learns_its_own_embeddings_and_exports_them(inputs, tmp_path):
     """Draft width 64 under a 128-wide target: fc reads 3 x 128, embed_tokens/lm_head are the
     draft's own (trainable) and the export carries embed_tokens, as vLLM needs."""

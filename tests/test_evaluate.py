@@ -191,6 +191,45 @@ def test_05_refuses_mismatched_inputs(tmp_path, store_dir, draft_dir, llama_targ
     assert not (out / "manifest.json").exists()
 
 
+def test_05_max_model_len_follows_max_tokens_or_is_refused(tmp_path, draft_dir, llama_target_dir):
+    """Default: the longest prompt (as the server renders it) + --max-tokens; a smaller explicit
+    --max-model-len is one error line naming both numbers, before anything is written."""
+    from transformers import AutoTokenizer
+
+    from eagle3_train.evaluate.run import Evaluation, longest_prompt
+    from eagle3_train.prompts import load_prompts
+    from eagle3_train.tiny import write_prompt_file
+
+    script = load_script("05_evaluate")
+    prompts = write_prompt_file(tmp_path / "heldout.jsonl", 4, seed=99)
+    longest = longest_prompt(AutoTokenizer.from_pretrained(llama_target_dir), load_prompts(str(prompts)).prompts)
+    assert longest > 5
+    base = ["--draft", str(draft_dir), "--prompts", str(prompts), "--output-dir", str(tmp_path / "e"),
+            "--max-tokens", "8192"]
+    assert Evaluation(script.parse_args(base)).max_model_len == longest + 8192
+    assert Evaluation(script.parse_args(base + ["--max-model-len", "9000"])).max_model_len == 9000
+    with pytest.raises(PipelineError, match=rf"--max-model-len 8192 is too small.*{longest} tokens.*"
+                                            rf"--max-tokens is 8192 \({longest + 8192} needed\)"):
+        script.main(base + ["--max-model-len", "8192"])
+    assert not (tmp_path / "e").exists()
+
+
+def test_offline_in_bf16_follows_fp32_and_the_chunked_head_equals_the_whole(store_dir, draft_dir, llama_target_dir):
+    """The head's greedy tokens in token chunks are the unchunked argmax; the offline walk in
+    bf16 (what a GPU runs) stays close to fp32's on the same samples."""
+    store = HiddenStates(store_dir)
+    head = load_target_head(llama_target_dir)
+    s = store.get(store.ids[0])
+    whole = (head.normed(s.last) @ head.full.T).argmax(-1)
+    for chunk in (1, 7, 10**6):
+        assert torch.equal(head.greedy(s.last, chunk=chunk), whole)
+    fp32 = offline_eval(load_draft(draft_dir, llama_target_dir), head, store, store.ids, 3)
+    bf16 = offline_eval(load_draft(draft_dir, llama_target_dir, dtype="bf16"),
+                        load_target_head(llama_target_dir, dtype="bf16"), store, store.ids, 3)
+    assert bf16["samples"] == fp32["samples"] and bf16["drafts"] > 0
+    assert abs(bf16["acceptance_length"] - fp32["acceptance_length"]) < 0.25
+
+
 # ----------------------------------------------------------------------------- real vLLM
 
 @pytest.fixture(scope="module")

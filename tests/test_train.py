@@ -85,7 +85,8 @@ def test_run_writes_checkpoints_metrics_curves_export_and_manifest(reference, in
     # The export holds the best checkpoint's trained tensors.
     w = load_file(str(export / "model.safetensors"))
     ckpt = torch.load(dict(checkpoints(reference))[best] / "weights.pt", weights_only=True)
-    assert torch.equal(w["fc.weight"], ckpt["draft.fc.weight"])
+    assert w["fc.weight"].dtype == torch.bfloat16  # --export-dtype bf16, the default
+    assert torch.equal(w["fc.weight"], ckpt["draft.fc.weight"].to(torch.bfloat16))
 
     # Rerunning the finished command does nothing and says so.
     n_lines = len((reference / METRICS).read_text().splitlines())
@@ -254,6 +255,78 @@ def test_split_is_fixed_by_id_and_matches_03_rule():
     assert val == [i for i in ids[1:] if is_heldout(i, 0.1)] and 60 < len(val) < 140
     train2, val2, _ = split_ids(list(reversed(ids)), lengths, 0.1, None)
     assert set(val2) == set(val) and set(train2) == set(train)
+
+
+def test_held_out_samples_beyond_val_max_go_back_to_training():
+    from eagle3_train.split import is_heldout
+
+    ids = [f"x{i}" for i in range(400)]
+    lengths = dict.fromkeys(ids, 10)
+    held = [i for i in ids if is_heldout(i, 0.1)]
+    train, val, _ = split_ids(ids, lengths, 0.1, 5)
+    assert val == held[:5] and sorted(train + val) == sorted(ids) and not set(train) & set(val)
+    assert set(held[5:]) <= set(train)
+
+
+def test_a_sample_longer_than_a_batch_is_trained_whole(inputs, tmp_path):
+    """--max-tokens-per-batch below the longest sample: it gets a batch of its own and every one
+    of its tokens (and supervised positions) is in that step; nothing is reported cut."""
+    from eagle3_train.hidden_store import HiddenStates
+    from eagle3_train.train.data import Loader, make_plan
+
+    hs = HiddenStates(inputs["store"])
+    lengths = {i: hs.length(i) for i in hs.ids}
+    cap = sorted(lengths.values())[len(lengths) // 2]  # half the samples are longer
+    config = stage.parse_args(argv(inputs, tmp_path / "run", "--max-tokens-per-batch", str(cap)))
+    plan = make_plan(hs, config, 1)
+    assert plan.cut["train"]["samples"] == plan.cut["val"]["samples"] == 0
+    assert plan.cut["own_batch"] == sum(n - 1 > cap for n in lengths.values()) > 0
+    loader = Loader(hs, plan, config, [0, 1, 2], 0, 1, "sdpa")
+    seen = set()
+    for step in range(plan.steps_in(0)):
+        (batch,), = [loader.step(step)]
+        ids = plan.epochs[0][step]
+        assert batch.tokens == sum(lengths[i] - 1 for i in ids)
+        assert int(batch.full_mask.sum()) == sum(int(hs.get(i).loss_mask.sum()) for i in ids)
+        if any(lengths[i] - 1 > cap for i in ids):
+            assert len(ids) == 1
+        seen |= set(ids)
+    assert seen == set(plan.train)
+    # flex compiles per length: a batch longer than the padded cap is padded to a multiple of it
+    long_id = max(plan.train, key=lengths.get)
+    padded = collate(hs, [long_id], None, [0, 1, 2], pad_to=16)
+    assert padded.aux.shape[1] % 16 == 0 and padded.aux.shape[1] - 16 < lengths[long_id] - 1 <= padded.aux.shape[1]
+
+
+def test_samples_cut_by_max_sample_tokens_are_reported_loudly(inputs, tmp_path, capsys):
+    from eagle3_train.hidden_store import HiddenStates
+    from eagle3_train.manifest import read_manifest
+
+    hs = HiddenStates(inputs["store"])
+    lengths = sorted(hs.length(i) for i in hs.ids)
+    limit = lengths[len(lengths) // 2]
+    out = tmp_path / "run"
+    train(inputs, out, "--max-sample-tokens", str(limit), "--max-steps", "2", "--save-every", "2",
+          "--export-dtype", "fp32", "--val-max-samples", "1")
+    text = capsys.readouterr().out
+    man = read_manifest(out, STAGE)
+    # One held-out sample validates, the others train; 05's offline set is exactly that one.
+    from eagle3_train.evaluate.draft import describe_draft
+    from eagle3_train.evaluate.offline import heldout_ids
+    from eagle3_train.split import is_heldout
+
+    assert len(man["split"]["val_ids"]) == 1 and sum(is_heldout(i, 0.25) for i in hs.ids) > 1
+    assert man["counts"]["train_samples"] == len(hs.ids) - 1 - man["counts"]["dropped_short"]
+    assert heldout_ids(hs.ids, describe_draft(out / "export"))[0] == man["split"]["val_ids"]
+    cut = man["cut"]["train"]
+    assert cut["samples"] > 0 and cut["max_sample_tokens"] == limit and 0 < cut["token_share"] < 1
+    assert man["counts"]["cut_train_samples"] == cut["samples"]
+    assert f"warning: {cut['samples']} of {man['counts']['train_samples']} train samples are longer than " \
+           f"--max-sample-tokens {limit} and cut: {cut['tokens']:,} tokens ({cut['token_share']:.1%}" in text
+    # --export-dtype fp32: the export is the checkpoint's tensors bit for bit
+    w = load_file(str(out / "export" / "model.safetensors"))
+    ckpt = torch.load(dict(checkpoints(out))[man["counts"]["exported_step"]] / "weights.pt", weights_only=True)
+    assert w["fc.weight"].dtype == torch.float32 and torch.equal(w["fc.weight"], ckpt["draft.fc.weight"])
 
 
 def test_collate_aligns_steps_within_documents(inputs):

@@ -11,6 +11,7 @@ from typing import ClassVar
 from ..config import EVALUATE, StageConfig, require, setting
 
 ARMS = ("eagle3", "none", "ngram")  # 05's online arms: the draft, no speculation, prompt lookup
+OFFLINE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 
 @dataclass(kw_only=True)
@@ -32,7 +33,11 @@ class EvalConfig(StageConfig):
     store: Path | None = setting(None, help="02's hidden-state store; its held-out samples (per 04's split) are "
                                             "used (default: no offline part)", resume=True)
     max_offline_samples: int = setting(200, help="cap on held-out samples")
-    offline_tokens_per_batch: int = setting(4096, help="tokens per draft forward")
+    offline_tokens_per_batch: int = setting(4096, help="tokens per draft forward (a longer sample gets one "
+                                                       "of its own)")
+    device: str = setting("auto", help="offline draft and target head: auto = cuda when available, else cpu")
+    offline_dtype: str = setting("auto", help="offline weights and hidden states: auto = bf16 on cuda, fp32 on "
+                                              "cpu")
 
     # -- online, in vLLM
     prompts: Path | None = setting(None, help="held-out prompts JSONL (01b's input format) (default: no online "
@@ -55,7 +60,8 @@ class EvalConfig(StageConfig):
     seed: int = setting(0, help="sampling seed")
 
     # -- servers started here
-    max_model_len: int = setting(2048, help="vLLM --max-model-len")
+    max_model_len: int | None = setting(None, help="vLLM --max-model-len; refused when the longest prompt + "
+                                                   "--max-tokens does not fit (default: exactly that)")
     reasoning_parser: str = setting("kimi_k2", help="vLLM --reasoning-parser, 'none' to disable")
     startup_timeout: float = setting(900, help="seconds a server may take to start", resume=True)
     server_arg: list[str] = setting(default_factory=list, help="extra vLLM argument (repeatable)")
@@ -72,6 +78,10 @@ class EvalConfig(StageConfig):
         for name in ("max_offline_samples", "offline_tokens_per_batch", "num_prompts", "max_tokens"):
             value = getattr(self, name)
             require(value >= 1, f"--{name.replace('_', '-')} must be at least 1, not {value}")
+        require(self.offline_dtype in OFFLINE_DTYPES,
+                f"--offline-dtype must be one of {', '.join(OFFLINE_DTYPES)}, not {self.offline_dtype!r}")
+        require(self.max_model_len is None or self.max_model_len >= 2,
+                f"--max-model-len must be at least 2, not {self.max_model_len}")
         require(self.num_speculative_tokens is None or self.num_speculative_tokens >= 1,
                 f"--num-speculative-tokens must be at least 1, not {self.num_speculative_tokens}")
         unknown = [a for a in self.arm_list if a not in ARMS]
@@ -99,9 +109,28 @@ class EvalConfig(StageConfig):
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "seed": self.seed}
 
+    def offline_placement(self) -> tuple[str, str]:
+        """(device, dtype name) the offline part runs in: bf16 on a GPU, fp32 on CPU by default."""
+        import torch
+
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+        gpu_default = "bf16" if device.startswith("cuda") else "fp32"
+        dtype = self.offline_dtype if self.offline_dtype != "auto" else gpu_default
+        return device, dtype
+
+    def model_len(self, longest_prompt: int) -> int:
+        """The servers' --max-model-len: room for the longest prompt and --max-tokens, or refused."""
+        need = longest_prompt + self.max_tokens
+        if self.max_model_len is None:
+            return need
+        require(self.max_model_len >= need,
+                f"--max-model-len {self.max_model_len} is too small: the longest prompt has {longest_prompt} "
+                f"tokens and --max-tokens is {self.max_tokens} ({need} needed); raise it or leave it out")
+        return self.max_model_len
+
     @property
     def server_kwargs(self) -> dict:
-        """For the servers started here (vllm_server.VllmServer)."""
+        """For the servers started here (vllm_server.VllmServer); max_model_len from model_len."""
         return {"max_model_len": self.max_model_len, "startup_timeout": self.startup_timeout,
                 "reasoning_parser": None if self.reasoning_parser == "none" else self.reasoning_parser,
                 "extra_args": self.server_arg}

@@ -13,6 +13,7 @@ from ..errors import PipelineError
 
 STAGE = TRAIN
 METRICS, CKPT_DIR, EXPORT = "metrics.jsonl", "checkpoints", "export"
+EXPORT_DTYPES = ("bf16", "fp16", "fp32")
 
 
 @dataclass(kw_only=True)
@@ -50,6 +51,8 @@ class TrainConfig(StageConfig):
     train_lm_head: bool = setting(False, help="train the draft lm_head too (default: frozen, the target's rows "
                                               "for the draft vocab)")
     num_speculative_tokens: int = setting(3, help="speculative tokens written into the export's config")
+    export_dtype: str = setting("bf16", help="dtype of the exported weights (vLLM casts to its own on load; "
+                                             "fp32 doubles the size)", resume=True)
 
     # -- objective
     ttt_steps: int = setting(7, help="training-time-test steps: chained draft tokens the loss unrolls")
@@ -67,7 +70,11 @@ class TrainConfig(StageConfig):
     grad_clip: float = setting(0.5, help="gradient norm clip, 0 = off")
 
     # -- data
-    max_tokens_per_batch: int = setting(4096, help="tokens per packed batch per process; longer samples are cut")
+    max_tokens_per_batch: int = setting(4096, help="tokens per packed batch per process; a longer sample gets a "
+                                                   "batch of its own, whole")
+    max_sample_tokens: int | None = setting(None, help="cut samples to this many tokens (their tails are not "
+                                                       "trained; reported at start and in the manifest) "
+                                                       "(default: none cut)")
     grad_accum: int = setting(1, help="batches per process per step")
     epochs: int = setting(1, help="passes over the training split")
     max_steps: int | None = setting(None, help="stop after this many steps (default: all)")
@@ -96,6 +103,10 @@ class TrainConfig(StageConfig):
         for name in ("ttt_steps", "max_tokens_per_batch", "grad_accum", "epochs", "save_every", "log_every",
                      "draft_layers", "num_speculative_tokens", "keep_last"):
             require(getattr(self, name) >= 1, f"--{_flag(name)} must be at least 1, not {getattr(self, name)}")
+        require(self.max_sample_tokens is None or self.max_sample_tokens >= 2,
+                f"--max-sample-tokens must be at least 2, not {self.max_sample_tokens}")
+        require(self.export_dtype in EXPORT_DTYPES,
+                f"--export-dtype must be one of {', '.join(EXPORT_DTYPES)}, not {self.export_dtype!r}")
         require(self.max_steps is None or self.max_steps >= 1, f"--max-steps must be at least 1, not {self.max_steps}")
         require(0 <= self.val_fraction < 1, f"--val-fraction must be in [0, 1), not {self.val_fraction}")
         require(self.lr > 0, f"--lr must be positive, not {self.lr}")

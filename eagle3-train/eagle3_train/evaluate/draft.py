@@ -67,11 +67,14 @@ def describe_draft(draft_dir: Path) -> dict:
     return out
 
 
-def load_draft(draft_dir: Path, target: Path):
-    """The export as speculators' Eagle3DraftModel, on CPU with sdpa attention (flex attention
-    needs a GPU). Built from its config and loaded from its weights directly, so a draft narrower
-    than the target (fc of n_aux * target_hidden, see draft.py) loads too; embed_tokens comes from
-    the target when the export leaves it out (vLLM shares the target's then)."""
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def load_draft(draft_dir: Path, target: Path, *, device: str = "cpu", dtype: str = "fp32"):
+    """The export as speculators' Eagle3DraftModel, on `device` in `dtype`, with sdpa attention
+    (flex attention needs a compile). Built from its config and loaded from its weights directly,
+    so a draft narrower than the target (fc of n_aux * target_hidden, see draft.py) loads too;
+    embed_tokens comes from the target when the export leaves it out (vLLM shares the target's)."""
     from safetensors.torch import load_file
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
@@ -97,12 +100,12 @@ def load_draft(draft_dir: Path, target: Path):
     if missing or unexpected:
         raise PipelineError(f"{draft_dir}: weights do not fit its config.json (missing {missing[:4]}, "
                             f"unexpected {list(unexpected)[:4]})")
-    return model.float().eval()
+    return model.to(device=device, dtype=DTYPES[dtype]).eval()
 
 
-def load_target_head(target: Path):
+def load_target_head(target: Path, *, device: str = "cpu", dtype: str = "fp32"):
     """The target's final norm + lm_head (04's TargetHead): greedy tokens from stored last states."""
     from ..draft import load_target_weights, target_head
     from ..target import load_target_config
 
-    return target_head(load_target_config(str(target)), load_target_weights(target), None, "cpu", torch.float32)
+    return target_head(load_target_config(str(target)), load_target_weights(target), None, device, DTYPES[dtype])

@@ -31,7 +31,8 @@ def heldout_ids(store_ids: Sequence[str], draft: dict) -> tuple[list[str], str]:
     man = json.loads(Path(found["path"]).read_text()) if found.get("stage") == TRAIN else {}
     split = man.get("split") or {}
     ids = split.get("heldout_ids") or split.get("val_ids") or man.get("val_ids")
-    if ids:
+    if ids or "val_ids" in split:  # exactly 04's validation ids: its other held-out samples were trained on
+        ids = ids or []
         keep = set(ids)
         return [i for i in store_ids if i in keep], "04 manifest (held-out ids)"
     fraction = split.get("heldout_fraction", split.get("val_fraction"))
@@ -89,10 +90,12 @@ def draft_step_tokens(model, samples: list, k: int) -> list[list[torch.Tensor]]:
         ids.append(s.input_ids[1:])
         docs.append(torch.full((n,), d, dtype=torch.long))
         pos.append(torch.arange(1, n + 1))
-    out = model(hidden_states=torch.cat(hs)[None].float(), input_ids=torch.cat(ids)[None],
-                document_ids=torch.cat(docs)[None], position_ids=torch.cat(pos)[None], ttt_steps=k)
+    w = next(model.parameters()) if isinstance(model, torch.nn.Module) else torch.empty(0)  # where it runs
+    on = lambda t: t.to(w.device, non_blocking=True)  # noqa: E731
+    out = model(hidden_states=on(torch.cat(hs)[None].to(w.dtype)), input_ids=on(torch.cat(ids)[None]),
+                document_ids=on(torch.cat(docs)[None]), position_ids=on(torch.cat(pos)[None]), ttt_steps=k)
     to_target = draft_to_target(model)
-    steps = [to_target(t[0]) for t in out]
+    steps = [to_target(t[0]).cpu() for t in out]
     per_sample, a = [], 0
     for s in samples:
         n = s.input_ids.shape[0] - 1
@@ -112,7 +115,8 @@ def offline_eval(model, head, store, ids: Sequence[str], k: int, *,
             drafts = draft_step_tokens(model, samples, k) if samples else []
             for s, d in zip(samples, drafts):
                 if s.last is not None and head is not None:
-                    greedy = head.greedy(s.last)
+                    # Over the full vocab in chunks of tokens: [T, V] logits never exist at once.
+                    greedy = head.greedy(s.last.to(head.full.device)).cpu()
                 elif s.topk_ids is not None:
                     greedy = s.topk_ids[:, 0]
                 else:

@@ -71,7 +71,8 @@ class Evaluation:
             raise PipelineError(f"target {target} not found; pass --target (the model the draft was trained for)")
         self.target = target
         self.target_desc = describe_target(load_target_config(str(target)), str(target))
-        self.tok_desc = describe_tokenizer(AutoTokenizer.from_pretrained(target), str(target))
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        self.tok_desc = describe_tokenizer(tokenizer, str(target))
         layer = cfg.get("transformer_layer_config") or {}
         require_match("target vocab size", self.target_desc["vocab_size"], layer.get("vocab_size"),
                       source=str(config.draft))
@@ -97,10 +98,11 @@ class Evaluation:
         if config.prompts:
             prompt_set = load_prompts(str(config.prompts), limit=config.num_prompts)
             self.prompts = prompt_set.prompts
+            self.max_model_len = config.model_len(longest_prompt(tokenizer, self.prompts))
             self.identity["online"] = {
                 "prompts": prompt_set.describe(), "num_prompts": len(self.prompts), "arms": config.arm_list,
                 "concurrency": config.concurrency, "sampling": config.sampling, "ngram": config.ngram[:2],
-                "max_model_len": config.max_model_len, "reasoning_parser": config.reasoning_parser,
+                "max_model_len": self.max_model_len, "reasoning_parser": config.reasoning_parser,
                 "server_args": config.server_arg}  # not the URLs: a restarted server may move
 
     def offline(self, out: Path) -> dict:
@@ -111,8 +113,10 @@ class Evaluation:
             offline = None
         if offline is None:
             print(f"[05] offline: {len(self.ids)} samples ({self.selection}), K={self.k}", flush=True)
-            model = load_draft(config.draft, self.target)
-            head = load_target_head(self.target) if self.store.has_last else None
+            device, dtype = config.offline_placement()
+            print(f"[05] offline on {device} in {dtype}", flush=True)
+            model = load_draft(config.draft, self.target, device=device, dtype=dtype)
+            head = load_target_head(self.target, device=device, dtype=dtype) if self.store.has_last else None
             offline = offline_eval(model, head, self.store, self.ids, self.k,
                                    tokens_per_batch=config.offline_tokens_per_batch,
                                    log_path=out / "progress.log", every_s=config.progress_every)
@@ -129,7 +133,8 @@ class Evaluation:
         if res is None:
             res = run_arm(arm, target=self.target, draft_dir=config.draft, k=self.k, ngram=tuple(config.ngram[:2]),
                           prompts=self.prompts, levels=config.concurrency, sampling=config.sampling,
-                          url=config.urls.get(arm), server_kwargs=config.server_kwargs, log_dir=out,
+                          url=config.urls.get(arm), log_dir=out,
+                          server_kwargs={**config.server_kwargs, "max_model_len": self.max_model_len},
                           timeout=config.timeout, every_s=config.progress_every)
             atomic_write_json(path, res)
         al = res["spec"]["acceptance_length"]
@@ -151,6 +156,14 @@ class Evaluation:
                        outputs={n: n for n in (REPORT_JSON, REPORT_MD, PLOT)},
                        counts={"offline_samples": offline["samples"] if offline else 0, "arms": len(results)},
                        tokenizer=self.tok_desc, target=self.target_desc)
+
+
+def longest_prompt(tokenizer, prompts) -> int:
+    """Tokens of the longest prompt as the servers see it (the chat template with the generation prompt)."""
+    from ..tokenization import ChatFormat
+
+    fmt = ChatFormat.from_tokenizer(tokenizer, reasoning=False)
+    return max(len(fmt.render(p.messages, add_generation_prompt=True)) for p in prompts)
 
 
 def load_part(path: Path) -> dict | None:

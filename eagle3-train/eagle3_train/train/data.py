@@ -1,6 +1,8 @@
 """04's data: the fixed by-id split, packing samples into batches of at most
 `max_tokens_per_batch` tokens (one [1, total] sequence with document ids, as speculators' forward
-takes them), and the plan of which batches each step reads. The batch order is a pure function of
+takes them; a sample longer than that gets a batch of its own, whole, so every supervised token is
+trained), and the plan of which batches each step reads. Only `max_sample_tokens`, when set, cuts
+samples, and the plan counts what it cuts. The batch order is a pure function of
 (seed, epoch), so the data position is (epoch, batches consumed) and a resumed run repeats the
 uninterrupted one."""
 
@@ -18,8 +20,10 @@ from ..hidden_checks import read_sample
 
 def split_ids(ids: list[str], lengths: dict[str, int], val_fraction: float,
               val_max: int | None) -> tuple[list[str], list[str], int]:
-    """Fixed by-id split (03's rule, so 05 can find the held-out samples again); samples too short
-    to train on (fewer than 3 tokens) are dropped and counted."""
+    """Fixed by-id split (03's rule); at most `val_max` held-out samples validate, the rest of the
+    held-out ones go back to training (05 reads the validation ids from 04's manifest, so it never
+    evaluates on a sample trained on). Samples too short to train on (fewer than 3 tokens) are
+    dropped and counted."""
     from ..split import is_heldout
 
     usable = [i for i in ids if lengths[i] >= 3]
@@ -27,14 +31,15 @@ def split_ids(ids: list[str], lengths: dict[str, int], val_fraction: float,
     if val_max is not None:
         val = val[:val_max]
     held = set(val)
-    train = [i for i in usable if i not in held and not is_heldout(i, val_fraction)]
+    train = [i for i in usable if i not in held]
     return train, val, len(ids) - len(usable)
 
 
 def pack(ids: list[str], lengths: dict[str, int], cap: int, rng: random.Random | None,
-         window: int = 1024) -> list[list[str]]:
-    """Batches of at most `cap` (shifted) tokens: shuffle (when rng), then first-fit decreasing
-    within windows of `window` samples, then shuffle the batches. Deterministic given rng."""
+         window: int = 1024, max_sample: int | None = None) -> list[list[str]]:
+    """Batches of at most `cap` (shifted) tokens, a longer sample alone in its own (each sample
+    counts as at most `max_sample` tokens): shuffle (when rng), then first-fit decreasing within
+    windows of `window` samples, then shuffle the batches. Deterministic given rng."""
     order = list(ids)
     if rng is not None:
         rng.shuffle(order)
@@ -42,18 +47,31 @@ def pack(ids: list[str], lengths: dict[str, int], cap: int, rng: random.Random |
     for a in range(0, len(order), window):
         bins: list[list] = []  # [free, ids]
         for sid in sorted(order[a: a + window], key=lambda i: -lengths[i]):
-            n = min(lengths[sid] - 1, cap)
+            n = shifted(lengths[sid], max_sample)
             for b in bins:
                 if b[0] >= n:
                     b[0] -= n
                     b[1].append(sid)
                     break
             else:
-                bins.append([cap - n, [sid]])
+                bins.append([max(cap - n, 0), [sid]])
         batches += [b[1] for b in bins]
     if rng is not None:
         rng.shuffle(batches)
     return batches
+
+
+def shifted(length: int, max_sample: int | None) -> int:
+    """A sample's shifted tokens in a batch: all of them, or `max_sample` when it cuts."""
+    return length - 1 if max_sample is None else min(length - 1, max_sample)
+
+
+def cut_report(ids: list[str], lengths: dict[str, int], max_sample: int | None) -> dict:
+    """What `max_sample` cuts of `ids`: samples, their lost (shifted) tokens and that share."""
+    total = sum(lengths[i] - 1 for i in ids)
+    lost = sum(lengths[i] - 1 - shifted(lengths[i], max_sample) for i in ids)
+    return {"samples": sum(shifted(lengths[i], max_sample) < lengths[i] - 1 for i in ids),
+            "tokens": lost, "token_share": lost / total if total else 0.0, "max_sample_tokens": max_sample}
 
 
 @dataclass
@@ -86,15 +104,17 @@ class Batch:
                      f(self.to_full), self.n_docs, self.tokens, self.truncated)
 
 
-def collate(store, ids: list[str], cap: int, aux_index: list[int], pad_to: int | None = None) -> Batch:
+def collate(store, ids: list[str], cap: int | None, aux_index: list[int], pad_to: int | None = None) -> Batch:
     """Load and shift samples (EAGLE-3 pairs the aux state of token j with token j+1, whose
-    target distribution is the target's prediction for token j+2), then pack them."""
+    target distribution is the target's prediction for token j+2), each cut to `cap` shifted
+    tokens (None: whole), then pack them; padded to `pad_to` (a multiple of 128), or to the next
+    multiple of it when the batch is longer (a sample longer than a batch)."""
     parts = {k: [] for k in ("aux", "ids", "pos", "doc", "last", "tk", "tl", "fid", "fmask", "fdoc", "tofull")}
     s_off = t_off = truncated = 0
     for d, sid in enumerate(ids):
         s = read_sample(store, sid)
         n = len(s.input_ids)
-        if n - 1 > cap:
+        if cap is not None and n - 1 > cap:
             n, truncated = cap + 1, truncated + 1
         aux = s.aux[:n] if aux_index == list(range(s.aux.shape[1])) else s.aux[:n, aux_index]
         parts["aux"].append(aux[:-1].flatten(1))
@@ -117,6 +137,8 @@ def collate(store, ids: list[str], cap: int, aux_index: list[int], pad_to: int |
     cat = lambda k: torch.cat(parts[k]) if parts[k] else None  # noqa: E731
     aux, tok, pos, doc = cat("aux"), cat("ids"), cat("pos"), cat("doc")
     last, tk, tl = cat("last"), cat("tk"), cat("tl")
+    if pad_to and s_off > pad_to:  # whole multiples: flex compiles once per length (dynamic=False)
+        pad_to = -(-s_off // pad_to) * pad_to
     pad = (pad_to - s_off) if pad_to and s_off < pad_to else 0
     if pad:
         z = lambda t, v=0: None if t is None else torch.cat([t, t.new_full((pad, *t.shape[1:]), v)])  # noqa: E731
@@ -132,7 +154,7 @@ class Plan:
     dropped: int
     epochs: list[list[list[str]]]  # per epoch: its packed batches
     per_step: int  # batches per optimizer step (world x grad_accum)
-    cut: int = 0  # training samples longer than a batch, cut to its length
+    cut: dict = field(default_factory=dict)  # what --max-sample-tokens cuts (cut_report), train and val
 
     def steps_in(self, e: int) -> int:
         return len(self.epochs[e]) // self.per_step
@@ -157,9 +179,13 @@ def make_plan(store, config: TrainConfig, per_step: int) -> Plan:
     if not train:
         raise PipelineError(f"no training samples in {config.hidden_states} after holding out "
                             f"{len(val)} for validation (--val-fraction {config.val_fraction})")
-    cap = config.max_tokens_per_batch
-    epochs = [pack(train, lengths, cap, random.Random(f"{config.seed}:{e}")) for e in range(config.epochs)]
-    plan = Plan(train, val, dropped, epochs, per_step, sum(lengths[i] - 1 > cap for i in train))
+    cap, max_sample = config.max_tokens_per_batch, config.max_sample_tokens
+    epochs = [pack(train, lengths, cap, random.Random(f"{config.seed}:{e}"), max_sample=max_sample)
+              for e in range(config.epochs)]
+    plan = Plan(train, val, dropped, epochs, per_step,
+                {"train": cut_report(train, lengths, max_sample), "val": cut_report(val, lengths, max_sample),
+                 "own_batch": sum(shifted(lengths[i], max_sample) > cap for i in train + val),
+                 "longest": max(shifted(lengths[i], max_sample) for i in train + val)})
     if plan.steps_in(0) == 0:
         raise PipelineError(f"{len(train)} training samples make {len(epochs[0])} batches of "
                             f"{cap} tokens, fewer than one step needs ({per_step} = processes x "
@@ -175,9 +201,12 @@ class Loader:
                  attn: str):
         self.store, self.plan, self.aux_index, self.rank, self.world = store, plan, aux_index, rank, world
         self.cap, self.grad_accum = config.max_tokens_per_batch, config.grad_accum
-        # Flex attention's block masks (and compiled kernels) want one fixed length, a multiple of 128.
+        self.max_sample = config.max_sample_tokens
+        # Flex attention's block masks (and compiled kernels) want one fixed length, a multiple of
+        # 128 (a batch holding one longer sample gets its own, see collate).
         self.pad_to = -(-self.cap // 128) * 128 if attn == "flex" else None
-        self.val_batches = pack(plan.val, {i: store.length(i) for i in plan.val}, self.cap, None)
+        self.val_batches = pack(plan.val, {i: store.length(i) for i in plan.val}, self.cap, None,
+                                max_sample=self.max_sample)
 
     def step(self, step: int) -> list[Batch] | None:
         epoch, in_epoch = self.plan.locate(step)
@@ -188,4 +217,4 @@ class Loader:
                 for a in range(self.grad_accum)]
 
     def collate(self, ids: list[str]) -> Batch:
-        return collate(self.store, ids, self.cap, self.aux_index, self.pad_to)
+        return collate(self.store, ids, self.max_sample, self.aux_index, self.pad_to)

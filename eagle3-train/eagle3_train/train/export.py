@@ -11,6 +11,8 @@ from ..manifest import describe_target, write_manifest
 from .metrics import plot_curves, read_metrics
 from .model import make_draft
 
+EXPORT_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
 
 def export(trainer, identity: dict) -> dict:
     """The best checkpoint by validation acceptance (or the last, --export-from last); every rank
@@ -34,14 +36,17 @@ def export(trainer, identity: dict) -> dict:
         draft = unsharded_draft(trainer, full) if sharded else model.draft.to("cpu").float()
         info = {"step": pick, "best": best, "total_steps": trainer.total_steps, **model.kernels,
                 "args": config.to_dict()}
-        export_draft(draft, out / EXPORT, extra=info)
+        # bf16 by default: a Kimi-size draft is ~9 GB in fp32, and vLLM casts to its dtype on load.
+        export_draft(draft.to(EXPORT_TORCH_DTYPES[config.export_dtype]), out / EXPORT, extra=info)
         curves = plot_curves(out)
         result = write_manifest(
             out, STAGE, config=config.to_dict(), inputs=identity,
             outputs={"export": str((out / EXPORT).resolve()), "checkpoint": str(valid.get(pick, "")),
                      "curves": str(curves) if curves else None, "metrics": str(out / METRICS)},
             counts={"steps": trainer.total_steps, "exported_step": pick, "train_samples": len(plan.train),
-                    "val_samples": len(plan.val), "dropped_short": plan.dropped, "cut_long": plan.cut},
+                    "val_samples": len(plan.val), "dropped_short": plan.dropped,
+                    "cut_train_samples": plan.cut["train"]["samples"], "cut_val_samples": plan.cut["val"]["samples"]},
+            cut=plan.cut, export_dtype=config.export_dtype,
             split={"rule": SPLIT.replace("heldout_fraction", "val_fraction"), "val_fraction": config.val_fraction,
                    "val_ids": sorted(plan.val)},
             best=best, final_val=(read_metrics(out).get("val") or [None])[-1],

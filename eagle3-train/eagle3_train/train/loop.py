@@ -201,8 +201,16 @@ class Trainer:
         if not self.d.main:
             return
         plan, model = self.plan, self.model
+        cut = plan.cut
+        for part in ("train", "val"):
+            if cut[part]["samples"]:  # loud: these tails are never trained (or validated) on
+                print(f"warning: {cut[part]['samples']} of {len(getattr(plan, part))} {part} samples are longer "
+                      f"than --max-sample-tokens {cut[part]['max_sample_tokens']} and cut: {cut[part]['tokens']:,} "
+                      f"tokens ({cut[part]['token_share']:.1%} of the {part} tokens) are not {part}ed on",
+                      flush=True)
         print(f"{STAGE}: {len(plan.train)} train / {len(plan.val)} val samples ({plan.dropped} too short, "
-              f"{plan.cut} cut to --max-tokens-per-batch), {plan.steps_in(0)} steps/epoch x "
+              f"{cut['own_batch']} longer than --max-tokens-per-batch {self.config.max_tokens_per_batch} in a "
+              f"batch of their own, longest {cut['longest']:,} tokens), {plan.steps_in(0)} steps/epoch x "
               f"{self.config.epochs} epochs -> {self.total_steps} steps; "
               f"{sum(p.numel() for p in model.parameters):,} trainable parameters; device {self.d.device} "
               f"x{self.d.world}; attention {model.kernels['attn']}, loss {model.kernels['loss_impl']}; "
