@@ -140,11 +140,10 @@ def load_draft(draft_dir: Path, target: Path):
 
 def load_target_head(target: Path):
     """The target's final norm + lm_head (04's TargetHead): greedy tokens from stored last states."""
-    from transformers import AutoConfig
-
     from .draft import load_target_weights, target_head
+    from .target_layout import load_config
 
-    return target_head(AutoConfig.from_pretrained(target), load_target_weights(target), None, "cpu", torch.float32)
+    return target_head(load_config(target), load_target_weights(target), None, "cpu", torch.float32)
 
 
 # ----------------------------------------------------------------------------- offline

@@ -14,7 +14,7 @@ from .store import TMP_PREFIX, atomic_dir_commit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_REASONER = REPO_ROOT / "assets" / "tiny-reasoner"  # the committed trained target
-FIXTURES_VERSION = "1"  # bump when a builder changes, so stale cache entries are not reused
+FIXTURES_VERSION = "2"  # bump when a builder changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -87,3 +87,17 @@ def synthetic_training_set(directory: Path, tokenizer_dir: Path, *, n: int, seed
                    counts=summarize(records), tokenizer=describe_tokenizer(tok, str(tokenizer_dir)),
                    chat_format=fmt.describe())
     return directory
+
+
+def kimi_tokenizer_dir() -> Path:
+    """The twin's tiktoken tokenizer (remote code, Kimi's special ids, vocab 163,840)."""
+    from .kimi_twin import build_kimi_tokenizer
+
+    return cached("kimi-tokenizer", build_kimi_tokenizer)
+
+
+def kimi_random_twin_dir() -> Path:
+    """An untrained Kimi-K2.5 twin (wrapper + vision tower + DeepSeek-V3 text model), seed 0."""
+    from .kimi_twin import build_random_twin
+
+    return cached("kimi-twin-random", lambda d: build_random_twin(d, kimi_tokenizer_dir()))

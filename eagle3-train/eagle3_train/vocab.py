@@ -510,12 +510,11 @@ def move_aside(out_dir: Path) -> Path | None:
 def load_target_config(name_or_path: str):
     """The target's (text) config, for its vocab size: the embedding rows, which may exceed the
     tokenizer's length (padded vocabularies)."""
-    from transformers import AutoConfig
-
     from .manifest import text_config
+    from .target_layout import load_config
 
     try:
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=True)
+        config = load_config(name_or_path)
     except (OSError, ValueError) as e:
         raise PipelineError(f"cannot load the target config from {name_or_path!r}: "
                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
