@@ -81,12 +81,13 @@ def main(argv=None):
     target = args.target or (Path(ev.draft_target(cfg)) if ev.draft_target(cfg) else None)
     if target is None or not (Path(target) / "config.json").exists():
         raise PipelineError(f"target {target} not found; pass --target (the model the draft was trained for)")
-    from eagle3_train.target_layout import load_config
+    from eagle3_train.target_layout import check_vocab, load_config
     from eagle3_train.tokenization import load_tokenizer
 
     # As every other stage: the wrapper's config and the remote-code tokenizer (Kimi-K2.5's).
     target_desc = describe_target(load_config(target), str(target))
     tok_desc = describe_tokenizer(load_tokenizer(str(target)), str(target))
+    check_vocab(target_desc["vocab_size"], tok_desc["vocab_size"], target)
     layer = cfg.get("transformer_layer_config") or {}
     require_match("target vocab size", target_desc["vocab_size"], layer.get("vocab_size"), source=str(args.draft))
     require_match("target hidden size", target_desc["hidden_size"],

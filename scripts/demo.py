@@ -28,7 +28,7 @@ from pathlib import Path
 from eagle3_train.dataset import STAGE as TOKENIZE_STAGE
 from eagle3_train.errors import PipelineError, run_main
 from eagle3_train.evaluate import STAGE as EVAL_STAGE
-from eagle3_train.fixtures import REPO_ROOT, tiny_reasoner_dir
+from eagle3_train.fixtures import REPO_ROOT, kimi_twin_dir, tiny_reasoner_dir
 from eagle3_train.generate import STAGE as GEN_STAGE
 from eagle3_train.hidden_store import STAGE as STORE_STAGE
 from eagle3_train.manifest import read_manifest
@@ -55,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "demo", help="(default: runs/demo)")
     p.add_argument("--quick", action="store_true", help="fewer prompts and levels (the CI end-to-end run)")
     p.add_argument("--target", type=Path, help="target model dir (default: the bundled assets/tiny-reasoner)")
+    p.add_argument("--kimi-twin", action="store_true",
+                   help="run on the tiny Kimi-K2.5 twin (K2.5's wrapper, MLA + MoE, vocab 163,840, remote-code "
+                        "tiktoken tokenizer), assembled from assets/kimi-twin-core into the fixture cache")
     for key, val in PROFILES["full"].items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(val), help=f"override the profile (full: {val})")
     return p.parse_args(argv)
@@ -108,7 +111,10 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never wait on the hub
     prof = dict(PROFILES["quick" if args.quick else "full"])
     prof.update({k: getattr(args, k) for k in prof if getattr(args, k) is not None})
-    target = (args.target or tiny_reasoner_dir()).resolve()
+    target = (args.target or (kimi_twin_dir() if args.kimi_twin else tiny_reasoner_dir())).resolve()
+    # vLLM's default aux layers (2, N//2, N-3) repeat a layer below 7 layers; the 4-layer twin
+    # names three distinct ones (the real target's default, (2, 30, 58), is fine).
+    layers = ["--layers", "1,2,3"] if args.kimi_twin else []
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "demo.log"
@@ -150,7 +156,7 @@ def main(argv=None):
         ("02_extract_hidden_states", "the target's hidden states at the auxiliary layers -> shards",
          [(d["02"], STORE_STAGE)],
          lambda: run([py, STAGES / "02_extract_hidden_states.py", "--input", tokenized, "--model", target,
-                      "--output", d["02"], "--backend", "hf", "--shard-mb", 64], log)),
+                      "--output", d["02"], "--backend", "hf", "--shard-mb", 64, *layers], log)),
         ("03_build_vocab_mapping", "the draft vocabulary and its coverage", [(d["03"], VOCAB_STAGE)],
          lambda: run([py, STAGES / "03_build_vocab_mapping.py", "--data", tokenized, "--target", target,
                       "--out", d["03"], "--draft-vocab-size", 256], log)),

@@ -34,6 +34,7 @@ from .errors import PipelineError
 from .manifest import describe_target, describe_tokenizer, read_manifest, text_config, write_manifest
 from .progress import Progress
 from .store import DirLock, clean_temp_files, move_aside
+from .target_layout import check_vocab, load_config
 
 MANIFEST_NAME = "manifest.json"
 DISK_MARGIN = 1.02  # headers, index, plan: a few per cent on top of the tensor bytes
@@ -322,8 +323,6 @@ def rank_and_world(args) -> tuple[int, int]:
 
 
 def target_info(model: str) -> tuple[dict, object]:
-    from .target_layout import load_config
-
     try:
         cfg = load_config(model)
     except (OSError, ValueError) as e:
@@ -400,6 +399,7 @@ def _run_locked(args, out: Path, rank: int, world: int, backend_factory) -> int:
     inp = InputSet.open(args.input)
     target, cfg = target_info(args.model)
     tokenizer = check_tokenizer(args, inp)
+    check_vocab(cfg.vocab_size, tokenizer["vocab_size"], args.model)
     N, H = int(cfg.num_hidden_layers), int(cfg.hidden_size)
     if inp.max_token_id >= int(cfg.vocab_size):
         raise PipelineError(f"{inp.path} has token id {inp.max_token_id}, outside the target's vocabulary "

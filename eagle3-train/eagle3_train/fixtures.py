@@ -14,6 +14,7 @@ from .store import TMP_PREFIX, atomic_dir_commit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_REASONER = REPO_ROOT / "assets" / "tiny-reasoner"  # the committed trained target
+KIMI_TWIN_CORE = REPO_ROOT / "assets" / "kimi-twin-core"  # the trained Kimi twin, live vocab rows only
 FIXTURES_VERSION = "2"  # bump when a builder changes, so stale cache entries are not reused
 
 
@@ -101,3 +102,12 @@ def kimi_random_twin_dir() -> Path:
     from .kimi_twin import build_random_twin
 
     return cached("kimi-twin-random", lambda d: build_random_twin(d, kimi_tokenizer_dir()))
+
+
+def kimi_twin_dir() -> Path:
+    """The trained Kimi-K2.5 twin (full 163,840 vocabulary), assembled from its committed core."""
+    from .kimi_twin_train import assemble_kimi_twin
+
+    if not (KIMI_TWIN_CORE / "core.json").exists():
+        raise FileNotFoundError(f"{KIMI_TWIN_CORE} is missing: run scripts/build_kimi_twin.py")
+    return cached("kimi-twin", lambda d: assemble_kimi_twin(KIMI_TWIN_CORE, d))

@@ -50,7 +50,7 @@ def live_ids(tokenizer_dir: Path) -> list[int]:
     return list(range(conf["bpe_real_tokens"])) + sorted(int(i) for i in conf["added_tokens_decoder"])
 
 
-def train_kimi_twin(out_dir: Path, steps: int = 300, batch: int = 16, lr: float = 3e-3, seed: int = 0,
+def train_kimi_twin(out_dir: Path, steps: int = 240, batch: int = 8, lr: float = 4e-3, seed: int = 0,
                     n_examples: int = 3000, hidden: int = 64, layers: int = 4,
                     tokenizer_dir: Path | None = None, log=print) -> dict:
     import torch

@@ -57,6 +57,15 @@ def text_weight_names(config) -> dict[str, str]:
     return {"embed": "embed_tokens.weight", "lm_head": "lm_head.weight", "norm": "model.norm.weight"}
 
 
+def check_vocab(target_vocab: int, tokenizer_len: int, target: str | Path) -> None:
+    """A target may have more embedding rows than its tokenizer has tokens (padding), never fewer:
+    the tokenizer's top ids (Kimi's special tokens sit at 163584+) would index past the table."""
+    if int(target_vocab) < int(tokenizer_len):
+        raise PipelineError(f"the target {target} has a vocabulary of {target_vocab} but its tokenizer has "
+                            f"{tokenizer_len} tokens: ids {target_vocab}..{tokenizer_len - 1} have no embedding row "
+                            "(a config from another model?)")
+
+
 def load_model(path: str | Path, **kw):
     """The whole target in transformers: a causal LM, or the wrapper (whose language model the
     stages reach through extract.find_stack)."""
