@@ -268,6 +268,10 @@ def write_twin(out_dir: Path, text_state: dict, cfg, tokenizer_dir: Path, extra:
         conf.pop(k, None)
         conf["vision_config"].pop(k, None)
     conf["dtype"] = str(next(iter(text_state.values())).dtype).removeprefix("torch.")
+    # Kimi's config.json (its remote-code schema) names the image token so, and vLLM's EAGLE-3
+    # proposer reads that name for this architecture (llm_base_proposer.py: an AttributeError at
+    # draft load without it); transformers' Kimi_K25Config calls it image_token_id.
+    conf["media_placeholder_token_id"] = conf["image_token_id"]
     (out_dir / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
     (out_dir / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}, indent=2) + "\n")
     gen = {"bos_token_id": 163584, "eos_token_id": [163586, 163585], "pad_token_id": 163839}
