@@ -12,7 +12,21 @@ import torch
 PROMPTS = ["What is 12 + 345?", "How many times does e appear in cherry?", "Sort these numbers: 5 3 9"]
 
 
-def _hf_greedy(target, tokenizer, n: int) -> list[list[int]]:
+# vLLM's greedy token must be transformers' argmax up to float noise: a random tiny model has
+# near-ties (the DeepSeek fixture drifted apart at tokens 9 and 7 of 12 in two prompts, transformers'
+# logit gap there 5.8e-4 and 5.1e-4), while a
+# server that routed to other experts moves the logits by far more than this.
+TIE = 1e-3
+
+
+def _hf_gaps(model, prompt: list[int], got: list[int]) -> list[float]:
+    """transformers' max logit minus its logit for vLLM's token, at each generated position."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + got])).logits[0, len(prompt) - 1:-1].float()
+    return (logits.max(-1).values - logits.gather(-1, torch.tensor(got)[:, None])[:, 0]).tolist()
+
+
+def _hf_greedy(target, tokenizer, n: int):
     from eagle3_train.target_layout import load_model
 
     model = load_model(target, dtype=torch.float32).eval()
@@ -23,7 +37,7 @@ def _hf_greedy(target, tokenizer, n: int) -> list[list[int]]:
         with torch.no_grad():
             gen = model.generate(torch.tensor([list(ids)]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
         out.append((list(ids), gen[0, len(ids):].tolist()))
-    return out
+    return model, out
 
 
 @pytest.mark.vllm
@@ -35,10 +49,14 @@ def test_vllm_cpu_generates_what_transformers_does(which, tmp_path, deepseek_tar
 
     target = {"deepseek_v3": deepseek_target_dir, "kimi_twin": kimi_random_twin_dir}[which]
     n = 12
-    expected = _hf_greedy(target, load_tokenizer(str(target)), n)
+    model, expected = _hf_greedy(target, load_tokenizer(str(target)), n)
     with VllmServer(target, log_path=tmp_path / "vllm.log", max_model_len=512) as srv:
         client = openai.OpenAI(base_url=srv.base_url, api_key="x")
         for prompt, hf in expected:
             r = client.completions.create(model=str(target), prompt=prompt, max_tokens=n, temperature=0,
                                           extra_body={"return_token_ids": True, "ignore_eos": True})
-            assert r.choices[0].token_ids == hf, (which, prompt)
+            got = list(r.choices[0].token_ids)
+            assert len(got) == n
+            if got != hf:  # a near-tie resolved the other way: the tokens differ from there on
+                gaps = _hf_gaps(model, prompt, got)
+                assert max(gaps) < TIE, (which, prompt, got, hf, gaps)
