@@ -14,8 +14,8 @@ PROMPTS = ["What is 12 + 345?", "How many times does e appear in cherry?", "Sort
 
 # vLLM's greedy token must be transformers' argmax up to float noise: a random tiny model has
 # near-ties (the DeepSeek fixture drifted apart at tokens 9 and 7 of 12 in two prompts, transformers'
-# logit gap there 5.8e-4 and 5.1e-4), while a
-# server that routed to other experts moves the logits by far more than this.
+# logit gap there 5.8e-4 and 5.1e-4), while a server that routed to other experts moves the
+# logits by far more than this.
 TIE = 1e-3
 
 
