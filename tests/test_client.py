@@ -67,8 +67,10 @@ def test_request_body_always_asks_for_token_ids():
     c = ChatClient(["http://x/v1"], "m")
     b = json.loads(c.body(MSG, {"max_tokens": 5, "temperature": None}, chat_template_kwargs={"thinking": False},
                           extra_body={"top_k": 3, "return_token_ids": False}))
-    assert b == {"model": "m", "messages": MSG, "max_tokens": 5, "chat_template_kwargs": {"thinking": False},
-                 "top_k": 3, "return_token_ids": True}
+    assert b == {"model": "m", "messages": MSG, "spaces_between_special_tokens": False, "max_tokens": 5,
+                 "chat_template_kwargs": {"thinking": False}, "top_k": 3, "return_token_ids": True}
+    over = json.loads(c.body(MSG, {}, extra_body={"spaces_between_special_tokens": True}))
+    assert over["spaces_between_special_tokens"] is True
 
 
 def run(coro):

@@ -225,7 +225,10 @@ class ChatClient:
     def body(self, messages: list[dict], sampling: dict, *, chat_template_kwargs: dict | None = None,
              extra_body: dict | None = None) -> bytes:
         """The request body; vLLM fields ride along, and token ids are always asked for."""
-        b = {"model": self.model, "messages": messages}
+        # vLLM's slow-tokenizer detokenizer (Kimi's tiktoken one) puts spaces around added tokens
+        # by default (vllm/tokenizers/detokenizer_utils.py), so the text would never re-tokenize
+        # to the returned ids; fast tokenizers are unaffected. --extra-body may override it.
+        b = {"model": self.model, "messages": messages, "spaces_between_special_tokens": False}
         b.update({k: v for k, v in sampling.items() if v is not None})
         if chat_template_kwargs:
             b["chat_template_kwargs"] = chat_template_kwargs

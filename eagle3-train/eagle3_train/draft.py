@@ -41,20 +41,22 @@ def load_target_weights(target: str | Path) -> dict[str, torch.Tensor]:
     tensor by tensor from its safetensors shards (a 1T target is never loaded whole)."""
     from speculators.utils.loading import load_model_layers
 
+    from .target_layout import load_config, text_weight_names
+
+    names = text_weight_names(load_config(target))
     with contextlib.suppress(ImportError):  # speculators logs one INFO line per file read
         from loguru import logger
 
         logger.disable("speculators.utils.loading")
     try:
-        w = load_model_layers(["embed_tokens.weight", "lm_head.weight", "model.norm.weight"], str(target))
+        w = load_model_layers(list(names.values()), str(target))
     except (FileNotFoundError, ValueError) as e:
         raise PipelineError(f"cannot read embed/lm_head/norm weights from --target {target}: {e}") from None
-    if "embed_tokens.weight" not in w:
-        raise PipelineError(f"--target {target} has no embed_tokens weight")
-    if "model.norm.weight" not in w:
-        raise PipelineError(f"--target {target} has no final norm weight (model.norm.weight)")
-    return {"embed": w["embed_tokens.weight"], "lm_head": w.get("lm_head.weight", w["embed_tokens.weight"]),
-            "norm": w["model.norm.weight"]}
+    if names["embed"] not in w:
+        raise PipelineError(f"--target {target} has no embed_tokens weight ({names['embed']})")
+    if names["norm"] not in w:
+        raise PipelineError(f"--target {target} has no final norm weight ({names['norm']})")
+    return {"embed": w[names["embed"]], "lm_head": w.get(names["lm_head"], w[names["embed"]]), "norm": w[names["norm"]]}
 
 
 class TargetHead(nn.Module):

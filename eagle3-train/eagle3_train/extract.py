@@ -34,6 +34,7 @@ from .manifest import MANIFEST, describe_tokenizer, write_manifest
 from .progress import Progress
 from .store import ByteDigest, DirLock, clean_temp_files
 from .target import target_info
+from .target_layout import check_vocab
 
 DISK_MARGIN = 1.02  # headers, index, plan: a few per cent on top of the tensor bytes
 
@@ -249,6 +250,7 @@ def _run_locked(cfg, out: Path, rank: int, world: int, backend_factory, *, overw
     inp = InputSet.open(cfg.input)
     target, tcfg = target_info(cfg.model)
     tokenizer = check_tokenizer(cfg, inp)
+    check_vocab(tcfg.vocab_size, tokenizer["vocab_size"], cfg.model)
     N, H, V = int(tcfg.num_hidden_layers), int(tcfg.hidden_size), int(tcfg.vocab_size)
     if inp.max_token_id >= V:
         raise PipelineError(f"{inp.path} has token id {inp.max_token_id}, outside the target's vocabulary of {V}")

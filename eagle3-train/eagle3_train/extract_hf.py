@@ -51,13 +51,13 @@ class HFTarget:
 
     def __init__(self, path: str, *, num_layers: int, aux_ids: Sequence[int], storage: str, topk: int,
                  dtype: torch.dtype, device: str, device_map: str | None = None):
-        from transformers import AutoModelForCausalLM
+        from .target_layout import load_model
 
         kw = {"dtype": dtype, "trust_remote_code": True}
         if device_map:
             kw["device_map"] = device_map
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, **kw)
+            model = load_model(path, **kw)
         except (OSError, ValueError) as e:
             raise PipelineError(f"cannot load target {path!r}: {str(e).splitlines()[0]}") from None
         if not device_map:

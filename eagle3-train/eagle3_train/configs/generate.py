@@ -76,7 +76,8 @@ class GenerateConfig(TokenizeSettings, StageConfig):
     top_p: float | None = setting(None, help="nucleus sampling (default: server's)")
     seed: int | None = setting(None, help="base seed; each sample gets seed+hash(id) (default: unseeded)")
     extra_body: dict = setting(default_factory=dict, help=(
-        'JSON merged into every request, e.g. \'{"top_k": 20}\' (default: {})'))
+        'JSON merged into every request, e.g. \'{"top_k": 20}\'; 01b always sends '
+        '"spaces_between_special_tokens": false unless this overrides it (default: {})'))
 
     tokenize: bool = setting(False, resume=True, help=(
         "also write <output-dir>/tokenized/ (training JSONL) when generation is done"))

@@ -56,12 +56,12 @@ class Evaluation:
     """What is evaluated, checked and identified before any output is written."""
 
     def __init__(self, config: EvalConfig):
-        from transformers import AutoTokenizer
-
         from ..hidden_store import HiddenStates
         from ..manifest import describe_target, describe_tokenizer
         from ..prompts import load_prompts
         from ..target import load_target_config
+        from ..target_layout import check_vocab
+        from ..tokenization import load_tokenizer
 
         self.config = config
         self.draft_cfg = cfg = read_draft_config(config.draft)
@@ -71,8 +71,10 @@ class Evaluation:
             raise PipelineError(f"target {target} not found; pass --target (the model the draft was trained for)")
         self.target = target
         self.target_desc = describe_target(load_target_config(str(target)), str(target))
-        tokenizer = AutoTokenizer.from_pretrained(target)
+        # As every other stage: the wrapper's config and the remote-code tokenizer (Kimi-K2.5's).
+        tokenizer = load_tokenizer(str(target))
         self.tok_desc = describe_tokenizer(tokenizer, str(target))
+        check_vocab(self.target_desc["vocab_size"], self.tok_desc["vocab_size"], target)
         layer = cfg.get("transformer_layer_config") or {}
         require_match("target vocab size", self.target_desc["vocab_size"], layer.get("vocab_size"),
                       source=str(config.draft))
