@@ -69,9 +69,10 @@ def test_04_checkpoint_and_export_match_the_plan(tmp_path, trained, llama_target
     actual = dir_bytes(ckpt, "weights.pt") + dir_bytes(ckpt, "optimizer.pt")
     assert within(planner.checkpoint_bytes(shape, flags), actual), (planner.checkpoint_bytes(shape, flags), actual)
     exported = dir_bytes(out / "export", "*.safetensors")
+    planned = planner.export_bytes(shape, flags, 2)  # 04 exports in bf16 by default (--export-dtype)
     print(f"04 lm_head={train_lm_head}: checkpoint planned {planner.checkpoint_bytes(shape, flags)} actual {actual}; "
-          f"export planned {planner.export_bytes(shape, flags, 4)} actual {exported}")
-    assert within(planner.export_bytes(shape, flags, 4), exported), (planner.export_bytes(shape, flags, 4), exported)
+          f"export planned {planned} actual {exported}")
+    assert within(planned, exported), (planned, exported)
 
 
 def test_dry_runs_print_the_plan_and_write_nothing(tmp_path, trained, k25_tokenizer_dir, llama_target_dir, capsys):
