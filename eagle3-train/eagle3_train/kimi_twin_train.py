@@ -26,6 +26,7 @@ from .kimi_twin import (KIMI_VOCAB, build_kimi_tokenizer, kimi_text_config, kimi
 
 CORE_TENSORS, CORE_META, CORE_RANKS = "text.safetensors", "core.json", "bpe_ranks.tiktoken"
 from .tiny import randomize_router_bias, synthetic_examples
+from .tokenization import ChatFormat, tokenize_sample
 
 
 def _reasoning(ex: dict, i: int) -> str:
@@ -34,14 +35,12 @@ def _reasoning(ex: dict, i: int) -> str:
 
 
 def render(tokenizer, ex: dict, i: int) -> tuple[list[int], list[int]]:
-    """Chat-rendered training sequence, loss only on what the assistant generates."""
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": ex["question"]}],
-                                           add_generation_prompt=True, tokenize=True, return_dict=False)
-    gen = (tokenizer.encode(_reasoning(ex, i), add_special_tokens=False)
-           + [tokenizer.convert_tokens_to_ids("</think>")]
-           + tokenizer.encode(ex["answer"], add_special_tokens=False)
-           + [tokenizer.convert_tokens_to_ids("<|im_end|>")])
-    return list(prompt) + gen, [0] * len(prompt) + [1] * len(gen)
+    """Chat-rendered training sequence, loss only on what the assistant generates. Built by the
+    shared tokenization module, so the twin learns exactly the turn layout 01c re-wraps."""
+    fmt = ChatFormat.from_tokenizer(tokenizer)
+    t = tokenize_sample({"id": f"twin-{i}", "messages": [{"role": "user", "content": ex["question"]}],
+                         "reasoning": _reasoning(ex, i), "content": ex["answer"]}, fmt)
+    return list(t.input_ids), [int(m) for m in t.loss_mask]
 
 
 def live_ids(tokenizer_dir: Path) -> list[int]:
