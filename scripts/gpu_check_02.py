@@ -134,7 +134,9 @@ def vllm_available() -> str | None:
     return py if ok else None
 
 
-def check_vllm(arch, model_dir, inp_dir, inp, work) -> dict:
+def check_vllm(arch, model_dir, inp_dir, inp, work, *,
+               vllm_args: str = "--enforce-eager --gpu-memory-utilization 0.4") -> dict:
+    """02 --backend vllm --launch-server in bf16 vs the hf backend's bf16 store work/hf16-<arch>."""
     from eagle3_train import hidden_store as hs
 
     out = work / f"vllm-{arch}"
@@ -143,7 +145,7 @@ def check_vllm(arch, model_dir, inp_dir, inp, work) -> dict:
     try:
         stage_main(["--input", str(inp_dir), "--model", str(model_dir), "--output", str(out), "--backend", "vllm",
                     "--launch-server", "--dtype", "bfloat16", "--storage", "bf16", "--concurrency", "64",
-                    "--vllm-args", "--enforce-eager --gpu-memory-utilization 0.4"])
+                    "--vllm-args", vllm_args])
     except BaseException as e:  # record, keep going: this is what the check is for
         res |= {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                 "server_log_tail": _tail(out / "vllm-server.log")}

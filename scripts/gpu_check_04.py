@@ -69,36 +69,42 @@ def train_once(work: Path, hs: Path, vocab: Path, target: Path, args, name: str,
             "val_loss": val.get("loss")}
 
 
+def check(args, work: Path) -> dict:
+    """The inputs, then the fast and the eager run, in `work` (the fast draft's export stays at
+    work/fast/export); their figures and whether the two loss trajectories agree."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device: this check needs a GPU")
+    from eagle3_train.fixtures import TINY_REASONER, random_target_dir
+
+    target = TINY_REASONER if (TINY_REASONER / "model.safetensors").exists() else random_target_dir("llama")
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "target": str(target),
+              "config": {k: v for k, v in vars(args).items() if k != "out"}}
+    bench = load(REPO / "scripts" / "bench_train.py", "bench_train")
+    t0 = time.perf_counter()
+    hs, vocab = bench.make_inputs(work, target, args.samples)
+    result["inputs_s"] = round(time.perf_counter() - t0, 1)
+    fast = train_once(work, hs, vocab, target, args, "fast", [])
+    result["fast"] = fast
+    eager = train_once(work, hs, vocab, target, args, "eager", ["--attn", "sdpa", "--loss-impl", "eager"])
+    result["eager"] = eager
+    finite = all(math.isfinite(x) for x in fast["losses"] + eager["losses"])
+    gaps = [abs(a - b) / max(abs(b), 1e-6) for a, b in zip(fast["losses"], eager["losses"])]
+    result["loss_rel_gap_first"] = gaps[0]
+    result["loss_rel_gap_max"] = max(gaps)
+    result["speedup_fast_over_eager"] = (fast["tokens_per_s"] or 0) / (eager["tokens_per_s"] or 1)
+    result["ok"] = bool(finite and gaps[0] < 0.02 and max(gaps) < 0.10)
+    return result
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
     result: dict = {"ok": False}
     try:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA device: this check needs a GPU")
-        from eagle3_train.fixtures import TINY_REASONER, random_target_dir
-
-        target = TINY_REASONER if (TINY_REASONER / "model.safetensors").exists() else random_target_dir("llama")
-        result |= {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "target": str(target),
-                   "config": {k: v for k, v in vars(args).items() if k != "out"}}
-        bench = load(REPO / "scripts" / "bench_train.py", "bench_train")
         with tempfile.TemporaryDirectory(prefix="gpu_check_04-") as tmp:
-            work = Path(tmp)
-            t0 = time.perf_counter()
-            hs, vocab = bench.make_inputs(work, target, args.samples)
-            result["inputs_s"] = round(time.perf_counter() - t0, 1)
-            fast = train_once(work, hs, vocab, target, args, "fast", [])
-            result["fast"] = fast
-            eager = train_once(work, hs, vocab, target, args, "eager", ["--attn", "sdpa", "--loss-impl", "eager"])
-            result["eager"] = eager
-        finite = all(math.isfinite(x) for x in fast["losses"] + eager["losses"])
-        gaps = [abs(a - b) / max(abs(b), 1e-6) for a, b in zip(fast["losses"], eager["losses"])]
-        result["loss_rel_gap_first"] = gaps[0]
-        result["loss_rel_gap_max"] = max(gaps)
-        result["speedup_fast_over_eager"] = (fast["tokens_per_s"] or 0) / (eager["tokens_per_s"] or 1)
-        result["ok"] = bool(finite and gaps[0] < 0.02 and max(gaps) < 0.10)
+            result = check(args, Path(tmp))
     except Exception as e:  # the record says what failed, for whoever runs this remotely
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()[-4000:]

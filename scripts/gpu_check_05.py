@@ -38,25 +38,21 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from eagle3_train.fixtures import tiny_reasoner_dir
-    from eagle3_train.tiny import write_prompt_file
+def probe_vllm() -> tuple[bool, str]:
+    """Whether vLLM imports in the interpreter that serves it, and its version / error."""
     from eagle3_train.vllm_server import vllm_python
 
-    result = {"check": "05_evaluate on GPU", "draft": str(args.draft)}
-    py = vllm_python()
-    probe = subprocess.run([py, "-c", "import vllm, torch; print(vllm.__version__, torch.cuda.is_available())"],
+    probe = subprocess.run([vllm_python(), "-c", "import vllm, torch; print(vllm.__version__, torch.cuda.is_available())"],
                            capture_output=True, text=True)
-    result["vllm"] = probe.stdout.strip() or probe.stderr.strip()[-300:]
-    if probe.returncode != 0:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"vLLM is not importable with {py}: {result['vllm']}")
-        return 3
-    if not (args.draft / "config.json").exists():
-        print(f"no draft export at {args.draft}: run `bash scripts/demo.sh` (CPU) first or pass --draft")
-        return 1
-    work = Path(tempfile.mkdtemp(prefix="gpu_check_05-"))
+    return probe.returncode == 0, probe.stdout.strip() or probe.stderr.strip()[-300:]
+
+
+def check(args, work: Path) -> dict:
+    """05 on the tiny target with `args.draft`, its online arms in vLLM; the report's figures."""
+    from eagle3_train.fixtures import tiny_reasoner_dir
+    from eagle3_train.tiny import write_prompt_file
+
+    result = {"check": "05_evaluate on GPU", "draft": str(args.draft)}
     prompts = write_prompt_file(work / "heldout.jsonl", args.num_prompts, seed=2)
     cmd = [sys.executable, str(REPO / "eagle3-train" / "05_evaluate.py"), "--draft", str(args.draft),
            "--target", str(tiny_reasoner_dir()), "--prompts", str(prompts), "--output-dir", str(work / "eval"),
@@ -76,12 +72,27 @@ def main(argv=None) -> int:
                                                              for lv in r["levels"]]} for a, r in arms.items()}
         result["speedup_vs_none"] = rep["online"]["speedup_vs_none"]
         al = arms.get("eagle3", {}).get("spec", {}).get("acceptance_length") or 0
+        result["acceptance_length"] = al
         ok = al > 1.5 and all(lv["errors"] == 0 for r in arms.values() for lv in r["levels"])
         print((work / "eval" / "report.md").read_text())
     result["ok"] = ok
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    importable, version = probe_vllm()
+    if not importable:
+        args.out.write_text(json.dumps({"check": "05_evaluate on GPU", "vllm": version}, indent=2) + "\n")
+        print(f"vLLM is not importable: {version}")
+        return 3
+    if not (args.draft / "config.json").exists():
+        print(f"no draft export at {args.draft}: run `bash scripts/demo.sh` (CPU) first or pass --draft")
+        return 1
+    result = {"vllm": version} | check(args, Path(tempfile.mkdtemp(prefix="gpu_check_05-")))
     args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"gpu_check_05: {'OK' if ok else 'FAILED'} in {result['wall_s']} s -> {args.out}")
-    return 0 if ok else 1
+    print(f"gpu_check_05: {'OK' if result['ok'] else 'FAILED'} in {result['wall_s']} s -> {args.out}")
+    return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":

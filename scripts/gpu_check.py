@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""The one prepared GPU check (issue 15): <= 10 minutes on one H200, never needed by the tests.
+
+    uv run python scripts/gpu_check.py [--out DIR] [--budget-s 560] [--only 02-twin,04,05] [--dry-run]
+
+Runs, in order, while the time budget lasts (a step whose estimate would overrun it is skipped and
+recorded as such), and writes DIR/gpu_check.json after every step, so a cut-short run keeps what it did:
+
+  02-twin  the Kimi-K2.5 twin (MLA + MoE, wrapper) through `02 --backend vllm --launch-server` on the
+           GPU's own vLLM (extract_hidden_states + ExampleHiddenStatesConnector as shipped: no CPU
+           plugin), bf16, against `02 --backend hf` on CUDA in bf16 on the same samples (max relative
+           error, layer by layer; gpu_check_02.check_vllm). Its CPU twin, exact in fp32:
+           tests/test_kimi_twin_vllm.py::test_real_vllm_extraction_of_the_twin_equals_the_hf_backend.
+  04       04 with compiled flex attention + speculators' fused loss in bf16 against sdpa + the eager
+           loss (same data, same init): the two loss trajectories over --train-steps steps must agree
+           (first step within 2%, every step within 10%; gpu_check_04.check), with tokens/s of both.
+  05       05 online in GPU vLLM: eagle3 against no speculation on the tiny target, acceptance length
+           and output tok/s (gpu_check_05.check), with --draft, else the demo's export, else the
+           draft the 04 step just trained (then AL is recorded, not required: 30 steps is too few).
+
+Exit 0 when every step that ran passed; 1 when one failed; 2 without a CUDA device (one `error:`
+line: the tests are this check's CPU twins). The three gpu_check_0N.py scripts still run alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+T0 = time.monotonic()
+# Estimated wall seconds on one H200 (vLLM start-ups dominate); a step starts only if it fits.
+STEPS = {
+    "02-twin": (150, "the Kimi twin through `02 --backend vllm` (GPU vLLM, bf16) vs `02 --backend hf` (CUDA, bf16)"),
+    "04": (150, "04 flex attention + fused loss (bf16) vs sdpa + eager loss: loss trajectories, tokens/s"),
+    "05": (180, "05 online in GPU vLLM: eagle3 vs no speculation, acceptance length, output tok/s"),
+}
+VLLM_TWIN_ARGS = "--enforce-eager --gpu-memory-utilization 0.3 --language-model-only --max-num-seqs 64"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")),
+                   help="folder for gpu_check.json (default: $OUT, else .)")
+    p.add_argument("--budget-s", type=float, default=560, help="wall-clock budget in seconds (default: 560)")
+    p.add_argument("--only", default=",".join(STEPS), help=f"steps to run, comma-separated (default: {','.join(STEPS)})")
+    p.add_argument("--train-steps", type=int, default=30, help="04: training steps per run (default: 30)")
+    p.add_argument("--samples", type=int, default=16, help="02-twin: samples extracted (default: 16)")
+    p.add_argument("--draft", type=Path, default=None,
+                   help="05: EAGLE-3 export to serve (default: runs/demo/04/export if present, else 04's draft)")
+    p.add_argument("--dry-run", action="store_true", help="list the steps and exit (needs no GPU)")
+    args = p.parse_args(argv)
+    args.steps = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in args.steps if s not in STEPS]
+    if unknown or not args.steps:
+        p.error(f"--only: unknown step(s) {unknown or args.only!r}; choose from {', '.join(STEPS)}")
+    return args
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
+
+
+def step_02_twin(args, work: Path) -> dict:
+    import torch
+
+    from eagle3_train import hidden_store as hs
+    from eagle3_train.fixtures import kimi_twin_dir, synthetic_training_set
+
+    g02 = load("gpu_check_02")
+    twin = kimi_twin_dir()
+    inp_dir = synthetic_training_set(work / "in-kimi_twin", twin, n=args.samples, seed=5)
+    g02.stage_main(["--input", str(inp_dir), "--model", str(twin), "--device", "cuda", "--shard-mb", "4",
+                    "--output", str(work / "hf16-kimi_twin"), "--dtype", "bfloat16", "--storage", "bf16"])
+    ref = hs.HiddenStates(work / "hf16-kimi_twin")
+    res = g02.check_vllm("kimi_twin", twin, inp_dir, ref, work, vllm_args=VLLM_TWIN_ARGS)
+    if "max_rel_err_vs_hf_bf16" in res:  # and against fp32 transformers: how much of it is bf16 itself
+        g02.stage_main(["--input", str(inp_dir), "--model", str(twin), "--device", "cuda", "--shard-mb", "4",
+                        "--output", str(work / "hf32-kimi_twin"), "--dtype", "float32", "--storage", "fp32"])
+        f32, vl = hs.HiddenStates(work / "hf32-kimi_twin"), hs.HiddenStates(work / "vllm-kimi_twin")
+        res["max_rel_err_hf_bf16_vs_hf_fp32"] = max(
+            max(g02.rel_err(ref.get(s).aux, f32.get(s).aux), g02.rel_err(ref.get(s).last, f32.get(s).last))
+            for s in ref.ids)
+        res["max_rel_err_vllm_bf16_vs_hf_fp32"] = max(
+            max(g02.rel_err(vl.get(s).aux, f32.get(s).aux), g02.rel_err(vl.get(s).last, f32.get(s).last))
+            for s in ref.ids)
+    res["layer_ids"] = ref.layer_ids
+    res["samples"] = len(ref.ids)
+    torch.cuda.empty_cache()
+    return res
+
+
+def step_04(args, work: Path) -> dict:
+    g04 = load("gpu_check_04")
+    return g04.check(g04.parse_args(["--out", str(work / "unused.json"), "--steps", str(args.train_steps)]),
+                     work / "04")
+
+
+def step_05(args, work: Path) -> dict:
+    g05 = load("gpu_check_05")
+    importable, version = g05.probe_vllm()
+    if not importable:
+        return {"ok": False, "error": f"vLLM is not importable: {version}"}
+    demo = REPO / "runs" / "demo" / "04" / "export"
+    ours = work / "04" / "fast" / "export"
+    draft = args.draft or next((d for d in (demo, ours) if (d / "config.json").exists()), None)
+    if draft is None:
+        return {"ok": False, "error": f"no draft: pass --draft, carry {demo}, or run the 04 step first"}
+    res = {"vllm": version} | g05.check(g05.parse_args(["--out", str(work / "unused.json"), "--draft", str(draft)]),
+                                        work / "05")
+    if draft == ours:  # a 30-step draft: acceptance is a figure here, not a requirement
+        res["ok_requires_al_gt_1_5"] = False
+        res["ok"] = res.get("exit_code") == 0 and all(
+            lv["errors"] == 0 for r in res.get("arms", {}).values() for lv in r["levels"])
+    return res
+
+
+RUN = {"02-twin": step_02_twin, "04": step_04, "05": step_05}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        print(f"gpu_check: {len(args.steps)} step(s), budget {args.budget_s:.0f} s, JSON to {args.out / 'gpu_check.json'}")
+        for s in args.steps:
+            print(f"  {s:8s} ~{STEPS[s][0]:3d} s  {STEPS[s][1]}")
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: no CUDA device: scripts/gpu_check.py runs only on a GPU (its CPU twins are the tests; "
+              "--dry-run lists its steps)", file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "budget_s": args.budget_s,
+              "steps": {}}
+
+    def save():  # after every step, so a run cut short by a timeout still leaves its figures
+        result["elapsed_s"] = round(time.monotonic() - T0, 1)
+        (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+    work = Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    for s in args.steps:
+        if time.monotonic() - T0 + STEPS[s][0] > args.budget_s:
+            result["steps"][s] = {"skipped": f"time budget ({args.budget_s:.0f} s) would be exceeded"}
+            log(f"{s}: skipped (budget)")
+            save()
+            continue
+        log(f"{s}: {STEPS[s][1]}")
+        t = time.monotonic()
+        try:
+            r = RUN[s](args, work)
+        except Exception as e:  # record it and go on: the other steps still say something
+            r = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+        r["wall_s"] = round(time.monotonic() - t, 1)
+        result["steps"][s] = r
+        save()
+        log(f"{s}: {'OK' if r.get('ok') else 'FAILED'} in {r['wall_s']} s")
+    ran = [r for r in result["steps"].values() if "skipped" not in r]
+    result["ok"] = bool(ran) and all(r.get("ok") for r in ran)
+    save()
+    log(f"{'OK' if result['ok'] else 'FAILED'}; results in {args.out / 'gpu_check.json'}")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""scripts/gpu_check.py on CPU: what can be checked without a GPU (its steps run only on one)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gc():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_arguments_and_their_defaults(gc, tmp_path):
+    args = gc.parse_args(["--out", str(tmp_path)])
+    assert args.steps == ["02-twin", "04", "05"] and args.budget_s == 560 and args.train_steps == 30
+    assert sum(est for est, _ in gc.STEPS.values()) <= args.budget_s <= 600  # the whole check fits 10 min
+    assert gc.parse_args(["--only", "05, 04"]).steps == ["05", "04"]
+    assert set(gc.RUN) == set(gc.STEPS)  # every listed step has its function
+    for bad in (["--only", "03"], ["--only", ","], ["--budget-s", "soon"]):
+        with pytest.raises(SystemExit) as e:
+            gc.parse_args(bad)
+        assert e.value.code == 2
+
+
+def test_dry_run_lists_the_steps_without_a_gpu(gc, tmp_path, capsys):
+    assert gc.main(["--dry-run", "--out", str(tmp_path), "--only", "02-twin,05"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("gpu_check: 2 step(s), budget 560 s") and str(tmp_path / "gpu_check.json") in out[0]
+    assert [ln.split()[0] for ln in out[1:]] == ["02-twin", "05"]
+    assert "02 --backend vllm" in out[1] and not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the check runs instead of refusing")
+def test_without_cuda_it_refuses_in_one_line_and_writes_nothing(gc, tmp_path, capsys):
+    assert gc.main(["--out", str(tmp_path / "res")]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.count("\n") == 1 and cap.err.startswith("error: no CUDA device")
+    assert not (tmp_path / "res").exists()
