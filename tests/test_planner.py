@@ -1,7 +1,8 @@
 """00_plan's figures against what the tiny runs actually write: 02's store on disk, 04's checkpoint
-(trainable weights + AdamW states) and export. Peak memory is not compared: at tiny size the
-draft's few MB vanish in the process's RSS (torch, speculators), so the checkpoint's bytes stand in
-for the parameter + optimizer part of 04's memory figure."""
+(trainable weights + AdamW states) and export, and 04's memory. Memory is compared as the bytes
+04's tensors hold in one step (scripts/bench_train_memory.py: weights, gradients + AdamW states,
+the target head, what autograd saves for the backward), not the process's RSS, where the draft's
+few MB vanish beside torch and speculators."""
 
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ from eagle3_train.manifest import read_manifest
 from eagle3_train.train import run
 
 TOLERANCE = 0.25
+
+
+def load_module(path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def within(planned: int, actual: int) -> bool:
@@ -73,6 +83,17 @@ def test_04_checkpoint_and_export_match_the_plan(tmp_path, trained, llama_target
     print(f"04 lm_head={train_lm_head}: checkpoint planned {planner.checkpoint_bytes(shape, flags)} actual {actual}; "
           f"export planned {planned} actual {exported}")
     assert within(planned, exported), (planned, exported)
+
+
+@pytest.mark.parametrize("extra", [(), ("--max-tokens-per-batch", "512", "--ttt-steps", "5", "--train-lm-head")])
+def test_04_memory_matches_the_plan(tmp_path, trained, extra):
+    memory = load_module(Path(__file__).parents[1] / "scripts" / "bench_train_memory.py")
+    inputs, _ = trained
+    rows, flags = memory.compare(load_script("04_train").parse_args(inputs_argv(inputs, tmp_path / "r", *extra)))
+    print({k: round(r["ratio"], 3) for k, r in rows.items()})
+    assert rows["activations"]["measured"] > rows["weights"]["measured"]  # the batch, not the draft, dominates
+    for part in ("weights", "grads_and_adam", "activations", "total"):
+        assert within(rows[part]["planned"], rows[part]["measured"]), (part, rows[part], flags)
 
 
 def test_dry_runs_print_the_plan_and_write_nothing(tmp_path, trained, k25_tokenizer_dir, llama_target_dir, capsys):
