@@ -66,6 +66,8 @@ def parse_args(argv=None):
     unknown = [s for s in args.steps if s not in STEPS]
     if unknown or not args.steps:
         p.error(f"--only: unknown step(s) {unknown or args.only!r}; choose from {', '.join(STEPS)}")
+    if args.device == "cpu" and args.steps != ["02-twin"]:
+        p.error("--device cpu smoke-runs the 02-twin step only: add --only 02-twin")
     return args
 
 

@@ -25,7 +25,8 @@ def test_arguments_and_their_defaults(gc, tmp_path):
     assert sum(est for est, _ in gc.STEPS.values()) <= args.budget_s <= 600  # the whole check fits 10 min
     assert gc.parse_args(["--only", "05, 04"]).steps == ["05", "04"]
     assert set(gc.RUN) == set(gc.STEPS)  # every listed step has its function
-    for bad in (["--only", "03"], ["--only", ","], ["--budget-s", "soon"]):
+    assert gc.parse_args(["--device", "cpu", "--only", "02-twin"]).device == "cpu"
+    for bad in (["--only", "03"], ["--only", ","], ["--budget-s", "soon"], ["--device", "cpu"]):
         with pytest.raises(SystemExit) as e:
             gc.parse_args(bad)
         assert e.value.code == 2
