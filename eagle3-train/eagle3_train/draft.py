@@ -31,7 +31,7 @@ from .errors import PipelineError
 from .manifest import text_config
 from .store import TMP_PREFIX, atomic_dir_commit
 
-ARCHS = ("llama", "qwen3")
+ARCHS = ("llama", "qwen3", "mla")  # mla: draft_mla.py (DeepSeek-V3 / Kimi targets)
 
 
 # ----------------------------------------------------------------------------- target weights
@@ -174,9 +174,17 @@ def build_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t: torch
                 num_heads: int | None = None, num_kv_heads: int | None = None,
                 norm_before_residual: bool = False, speculative_tokens: int = 3,
                 train_embeddings: bool = False, train_lm_head: bool = False, attn_impl: str = "sdpa",
-                init_std: float = 0.02, seed: int = 0):
+                init_std: float = 0.02, seed: int = 0, mla_dims: dict | None = None):
     """A fresh draft for `target`. `weights` (from load_target_weights) seed embed_tokens and
     lm_head when the draft is as wide as the target; a narrower draft learns its own."""
+    if arch == "mla":
+        from .draft_mla import build_mla_draft
+
+        return build_mla_draft(target, target_cfg, aux_layer_ids=aux_layer_ids, d2t=d2t, t2d=t2d, weights=weights,
+                               hidden_size=hidden_size, intermediate_size=intermediate_size, num_layers=num_layers,
+                               num_heads=num_heads, dims=mla_dims, norm_before_residual=norm_before_residual,
+                               speculative_tokens=speculative_tokens, train_embeddings=train_embeddings,
+                               train_lm_head=train_lm_head, attn_impl=attn_impl, init_std=init_std, seed=seed)
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
@@ -296,8 +304,13 @@ def unroll(model, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
 
 def export_draft(model, out_dir: Path, *, extra: dict | None = None) -> Path:
     """Write the speculators-format directory (config.json + model.safetensors) atomically and
-    check what vLLM relies on is in it."""
+    check what vLLM relies on is in it (an MLA draft: vLLM's deepseek_eagle3 format, draft_mla.py)."""
     from safetensors import safe_open
+
+    if getattr(model, "is_mla", False):
+        from .draft_mla import export_mla
+
+        return export_mla(model, out_dir, extra=extra)
 
     out_dir = Path(out_dir)
     tmp = out_dir.parent / f"{TMP_PREFIX}{out_dir.name}"

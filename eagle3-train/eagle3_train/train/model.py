@@ -28,7 +28,8 @@ def make_draft(config: TrainConfig, inp: Inputs, weights: dict, attn: str = "sdp
                          norm_before_residual=config.norm_before_residual,
                          speculative_tokens=config.num_speculative_tokens,
                          train_embeddings=config.train_embeddings, train_lm_head=config.train_lm_head,
-                         attn_impl=ATTN_IMPL[attn], seed=config.seed)
+                         attn_impl=ATTN_IMPL[attn], seed=config.seed,
+                         mla_dims={k.removeprefix("draft_"): v for k, v in config.mla_dims.items()})
 
 
 @dataclass
