@@ -170,3 +170,16 @@ def test_mla_flags_are_refused_where_they_do_not_fit(ds_inputs, tmp_path, llama_
     res = run_stage(stage_cmd("04_train", inputs_argv(ds_inputs, tmp_path / "c", "--draft-arch", "mla",
                                                       "--draft-layers", 2)))
     assert_one_error_line(res, "--draft-layers 2")
+
+
+@pytest.mark.parametrize("impl", ["eager", "simple_flex_attention"])
+def test_other_attention_paths_give_the_sdpa_logits(twin, impl):
+    """04's CUDA path (flex attention, block masks padded to 128; q/k 96 wide, v 32 here, as MLA's
+    192/128 on Kimi) and the eager path compute what CPU sdpa does; flex runs forward-only on CPU."""
+    aux, tok, pos, doc = batch(2, n=128, split=70)
+    ref = make(twin, attn_impl="sdpa").eval()
+    other = make(twin, attn_impl=impl).eval()
+    other.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        for a, b in zip(D.unroll(ref, aux, tok, pos, doc, 3), D.unroll(other, aux, tok, pos, doc, 3)):
+            torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)

@@ -206,12 +206,15 @@ class MlaDraft(nn.Module):
         self.d2t.copy_(d2t.long())
 
     def _build_attn_mask(self, doc_ids, seq_len, device):
-        """The flex block mask (CUDA): speculators' mask_mod, as its Eagle3DraftModel builds it."""
+        """The non-sdpa masks as speculators' Eagle3DraftModel builds them from its mask_mod: a flex
+        block mask (CUDA) or, for eager attention, a float mask."""
+        from speculators.models.attention import create_float_mask
         from speculators.models.eagle3.attention import create_combined_mask_mod
         from torch.nn.attention.flex_attention import create_block_mask
 
-        return create_block_mask(create_combined_mask_mod(doc_ids, seq_len), B=None, H=None, Q_LEN=seq_len,
-                                 KV_LEN=seq_len, device=device)
+        make = create_block_mask if self._attn_impl == "simple_flex_attention" else create_float_mask
+        return make(create_combined_mask_mod(doc_ids, seq_len), B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len,
+                    device=device)
 
 
 def build_mla_draft(target, target_cfg, *, aux_layer_ids, d2t, t2d, weights, hidden_size=None,
