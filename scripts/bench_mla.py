@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -41,6 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--num-prompts", type=int, default=12, help="05 prompts (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=320, help="05 tokens per answer (default: %(default)s)")
     p.add_argument("--no-online", action="store_true", help="skip 05's vLLM arm (offline AL only)")
+    p.add_argument("--report-only", action="store_true", help="no runs: the table from the runs already in --out")
     return p.parse_args(argv)
 
 
@@ -58,15 +60,33 @@ def params(export: Path) -> dict:
 
     with safe_open(str(export / "model.safetensors"), framework="pt") as f:
         sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}
-    n = lambda keys: sum(int(__import__("math").prod(sizes[k])) for k in keys)  # noqa: E731
     weights = [k for k in sizes if k not in ("d2t", "t2d")]
-    return {"export": n(weights), "without_embed_lm_head": n([k for k in weights if not k.startswith(
-        ("embed_tokens", "lm_head"))])}
+    core = [k for k in weights if not k.startswith(("embed_tokens", "lm_head"))]
+    return {"export": sum(math.prod(sizes[k]) for k in weights),
+            "without_embed_lm_head": sum(math.prod(sizes[k]) for k in core)}
+
+
+def measure(d: Path) -> dict:
+    """One arch's figures from its 04 and 05 directories. Throughput: 04's logged tokens per
+    second of wall time (median over steps, first two left out) and per CPU-second of the training
+    process (steadier on a shared machine)."""
+    from eagle3_train.train.metrics import read_metrics
+
+    train = read_metrics(d / "04")["train"]
+    steady = train[2:] or train
+    man = json.loads((d / "04" / "manifest.json").read_text())
+    rep = json.loads((d / "05" / "report.json").read_text())
+    spec = ((rep.get("online") or {}).get("arms", {}).get("eagle3") or {}).get("spec") or {}
+    return {"params": params(d / "04" / "export"), "steps": man["counts"]["steps"],
+            "train_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+            "train_tokens_per_cpu_s": sum(r["tokens"] for r in steady) / sum(r["cpu_s"] for r in steady),
+            "val_al": (man.get("best") or {}).get("acceptance_length"),
+            "offline_al": (rep.get("offline") or {}).get("acceptance_length"),
+            "vllm_al": spec.get("acceptance_length"), "vllm_drafts": spec.get("drafts")}
 
 
 def main(argv=None) -> int:
     from eagle3_train.fixtures import kimi_twin_dir
-    from eagle3_train.train.metrics import read_metrics
 
     args = parse_args(argv)
     target = (args.target or kimi_twin_dir()).resolve()
@@ -76,37 +96,31 @@ def main(argv=None) -> int:
     rows = {}
     for arch in args.archs.split(","):
         d = args.out / arch
-        run([py, STAGES / "04_train.py", "--hidden-states", args.store, "--vocab-mapping", args.vocab,
-             "--target", target, "--output-dir", d / "04", "--draft-arch", arch, "--epochs", args.epochs,
-             "--lr", "3e-3", "--ttt-steps", 3, "--num-speculative-tokens", 3, "--max-tokens-per-batch",
-             args.max_tokens_per_batch, "--val-fraction", 0.1, "--save-every", 50, "--warmup-steps", 10,
-             "--log-every", 1, "--quiet"], log)
-        m = read_metrics(d / "04")
-        man = json.loads((d / "04" / "manifest.json").read_text())
-        tps = [r["tokens_per_s"] for r in m["train"][2:]] or [r["tokens_per_s"] for r in m["train"]]
-        eval_cmd = [py, STAGES / "05_evaluate.py", "--draft", d / "04" / "export", "--target", target,
-                    "--store", args.store, "--output-dir", d / "05", "--max-model-len", 1024]
-        if not args.no_online:  # without prompts 05 runs the offline part only
-            eval_cmd += ["--prompts", args.prompts, "--num-prompts", args.num_prompts, "--arms", "eagle3",
-                         "--concurrency", 8, "--max-tokens", args.max_tokens,
-                         "--server-arg=--dtype=bfloat16", "--server-arg=--attention-backend=AMX_MLA"]
-        run(eval_cmd, log)
-        rep = json.loads((d / "05" / "report.json").read_text())
-        spec = ((rep.get("online") or {}).get("arms", {}).get("eagle3") or {}).get("spec") or {}
-        rows[arch] = {"params": params(d / "04" / "export"),
-                      "steps": man["counts"]["steps"], "train_tokens_per_s": statistics.median(tps),
-                      "val_al": (man.get("best") or {}).get("acceptance_length"),
-                      "offline_al": (rep.get("offline") or {}).get("acceptance_length"),
-                      "vllm_al": spec.get("acceptance_length"), "vllm_drafts": spec.get("drafts")}
+        if not args.report_only:
+            run([py, STAGES / "04_train.py", "--hidden-states", args.store, "--vocab-mapping", args.vocab,
+                 "--target", target, "--output-dir", d / "04", "--draft-arch", arch, "--epochs", args.epochs,
+                 "--lr", "3e-3", "--ttt-steps", 3, "--num-speculative-tokens", 3, "--max-tokens-per-batch",
+                 args.max_tokens_per_batch, "--val-fraction", 0.1, "--save-every", 50, "--warmup-steps", 10,
+                 "--log-every", 1, "--quiet"], log)
+            eval_cmd = [py, STAGES / "05_evaluate.py", "--draft", d / "04" / "export", "--target", target,
+                        "--store", args.store, "--output-dir", d / "05", "--max-model-len", 1024]
+            if not args.no_online:  # without prompts 05 runs the offline part only
+                eval_cmd += ["--prompts", args.prompts, "--num-prompts", args.num_prompts, "--arms", "eagle3",
+                             "--concurrency", 8, "--max-tokens", args.max_tokens,
+                             "--server-arg=--dtype=bfloat16", "--server-arg=--attention-backend=AMX_MLA"]
+            run(eval_cmd, log)
+        rows[arch] = measure(d)
         (args.out / "bench_mla.json").write_text(json.dumps(rows, indent=2) + "\n")
-    print("| head | params (export) | params w/o embed+lm_head | steps | train tok/s | 04 val AL | 05 offline AL "
-          "| vLLM AL (drafts) |\n|---|---|---|---|---|---|---|---|")
+    print("| head | params (export) | params w/o embed+lm_head | steps | train tok/s (wall, median) | tok/CPU-s "
+          "| 04 val AL | 05 offline AL | vLLM AL (drafts) |\n|---|---|---|---|---|---|---|---|---|")
     for arch, r in rows.items():
         al = f"{r['vllm_al']:.3f} ({r['vllm_drafts']})" if r["vllm_al"] else "-"
         print(f"| {arch} | {r['params']['export']:,} | {r['params']['without_embed_lm_head']:,} | {r['steps']} | "
-              f"{r['train_tokens_per_s']:.0f} | {r['val_al'] or 0:.3f} | {r['offline_al'] or 0:.3f} | {al} |")
+              f"{r['train_tokens_per_s']:.0f} | {r['train_tokens_per_cpu_s']:.0f} | {r['val_al'] or 0:.3f} | {r['offline_al'] or 0:.3f} | {al} |")
     if {"llama", "mla"} <= set(rows):
-        print(f"train tok/s ratio mla / llama: {rows['mla']['train_tokens_per_s'] / rows['llama']['train_tokens_per_s']:.2f}")
+        m, ll = rows["mla"], rows["llama"]
+        print(f"training throughput mla / llama: {m['train_tokens_per_s'] / ll['train_tokens_per_s']:.2f} (wall), "
+              f"{m['train_tokens_per_cpu_s'] / ll['train_tokens_per_cpu_s']:.2f} (CPU time)")
     return 0
 
 
