@@ -134,7 +134,12 @@ def test_export_is_vllms_deepseek_eagle3_format_and_loads_back_identically(twin,
 
     seen = read_draft_config(out)
     assert draft_k(seen) == 4 and draft_target(seen) == str(twin["target"])
-    assert isinstance(load_draft(out, twin["target"]), MlaDraft)
+    again = load_draft(out, twin["target"])
+    assert isinstance(again, MlaDraft)
+    with torch.no_grad():  # 05's offline walk calls it as speculators' inference forward
+        greedy = again(hidden_states=aux, input_ids=tok, document_ids=doc[None], position_ids=pos, ttt_steps=3)
+        assert [torch.equal(g, lg.argmax(-1)) for g, lg in zip(greedy, D.unroll(model, aux, tok, pos, doc, 3))] \
+            == [True] * 3
 
 
 @pytest.fixture(scope="module")
@@ -158,14 +163,26 @@ def test_04_trains_and_exports_an_mla_draft(ds_inputs, tmp_path):
     assert isinstance(load_mla_draft(out / "export", ds_inputs["target"]), MlaDraft)
 
 
+def test_auto_is_mla_for_an_mla_target_and_llama_otherwise(deepseek_target_dir, llama_target_dir, twin):
+    from transformers import AutoConfig
+
+    assert D.resolve_arch("auto", twin["cfg"]) == "mla"
+    assert D.resolve_arch("auto", AutoConfig.from_pretrained(deepseek_target_dir)) == "mla"
+    assert D.resolve_arch("auto", AutoConfig.from_pretrained(llama_target_dir)) == "llama"
+    assert D.resolve_arch("llama", twin["cfg"]) == "llama"
+
+
 def test_mla_flags_are_refused_where_they_do_not_fit(ds_inputs, tmp_path, llama_target_dir):
     from reliability.run import run_stage, stage_cmd
 
     llama = train_inputs(tmp_path / "llama", llama_target_dir, n=6, shard_size=6)
     res = run_stage(stage_cmd("04_train", inputs_argv(llama, tmp_path / "a", "--draft-arch", "mla")))
     assert_one_error_line(res, "--draft-arch mla", "multi-head latent attention", "llama")
-    assert not (tmp_path / "a" / "checkpoints").exists()
-    res = run_stage(stage_cmd("04_train", inputs_argv(ds_inputs, tmp_path / "b", "--draft-kv-lora-rank", 256)))
+    assert not (tmp_path / "a").exists()  # refused before anything is written: the fixed command just runs
+    res = run_stage(stage_cmd("04_train", inputs_argv(llama, tmp_path / "b", "--draft-kv-lora-rank", 256)))
+    assert_one_error_line(res, "--draft-kv-lora-rank", "llama")  # the default, auto, is llama here
+    res = run_stage(stage_cmd("04_train", inputs_argv(ds_inputs, tmp_path / "b2", "--draft-arch", "llama",
+                                                      "--draft-kv-lora-rank", 256)))
     assert_one_error_line(res, "--draft-kv-lora-rank", "--draft-arch mla")
     res = run_stage(stage_cmd("04_train", inputs_argv(ds_inputs, tmp_path / "c", "--draft-arch", "mla",
                                                       "--draft-layers", 2)))

@@ -108,6 +108,20 @@ def target_head(target_cfg, weights: dict, draft_ids: torch.Tensor | None, devic
 
 # ----------------------------------------------------------------------------- the draft
 
+def resolve_arch(arch: str, target_cfg, mla_dims: dict | None = None) -> str:
+    """`auto` -> mla for a target with multi-head latent attention (DeepSeek-V3 / Kimi; measured
+    better there, README "04"), else llama. MLA dims asked for a non-MLA draft are refused."""
+    from .draft_mla import has_mla
+
+    if arch == "auto":
+        arch = "mla" if has_mla(text_config(target_cfg)) else "llama"
+    if arch != "mla" and (asked := [f"--draft-{k.replace('_', '-')}" for k, v in (mla_dims or {}).items()
+                                    if v is not None]):
+        raise PipelineError(f"{', '.join(asked)} shape an MLA draft layer, but this draft is {arch} "
+                            f"(the target has no MLA config, or --draft-arch {arch})")
+    return arch
+
+
 def layer_config(target_cfg, *, arch: str = "llama", hidden_size: int | None = None,
                  intermediate_size: int | None = None, num_layers: int = 1, num_heads: int | None = None,
                  num_kv_heads: int | None = None, head_dim: int | None = None, attn_impl: str = "sdpa"):

@@ -205,6 +205,14 @@ class MlaDraft(nn.Module):
         self.t2d.copy_(t2d.bool())
         self.d2t.copy_(d2t.long())
 
+    def forward(self, hidden_states, input_ids, document_ids, position_ids, ttt_steps: int = 3, **_):
+        """speculators' inference call (what 05's offline walk uses): the greedy draft-vocab token
+        of each TTT step [1, S], teacher-forced, through the same unroll as training."""
+        from .draft import unroll
+
+        return [lg.argmax(-1) for lg in unroll(self, hidden_states, input_ids, position_ids,
+                                              document_ids.squeeze(0), ttt_steps)]
+
     def _build_attn_mask(self, doc_ids, seq_len, device):
         """The non-sdpa masks as speculators' Eagle3DraftModel builds them from its mask_mod: a flex
         block mask (CUDA) or, for eager attention, a float mask."""

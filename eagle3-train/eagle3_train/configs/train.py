@@ -14,7 +14,7 @@ from ..errors import PipelineError
 STAGE = TRAIN
 METRICS, CKPT_DIR, EXPORT = "metrics.jsonl", "checkpoints", "export"
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")
-DRAFT_ARCHS = ("llama", "qwen3", "mla")  # as draft.ARCHS (not imported: the script's --help stays torch-free)
+DRAFT_ARCHS = ("auto", "llama", "qwen3", "mla")  # auto + draft.ARCHS (not imported: --help stays torch-free)
 MLA_FIELDS = tuple(f"draft_{k}" for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                           "v_head_dim"))
 
@@ -38,8 +38,9 @@ class TrainConfig(StageConfig):
                                             "or the last", resume=True)
 
     # -- the draft
-    draft_arch: str = setting("llama", help="decoder layer style (mla: the DeepSeek-V3 / Kimi target's own "
-                                            "MLA + dense MLP layer, vLLM's deepseek_eagle3)")
+    draft_arch: str = setting("auto", help="decoder layer style; mla: the DeepSeek-V3 / Kimi target's own MLA + "
+                                           "dense MLP layer (vLLM's deepseek_eagle3); auto: mla for a target "
+                                           "with MLA, else llama")
     draft_layers: int = setting(1, help="decoder layers")
     draft_hidden_size: int | None = setting(None, help="draft width; smaller than the target's trains its own "
                                                        "embeddings (default: target's)")
@@ -121,7 +122,7 @@ class TrainConfig(StageConfig):
         require(0 <= self.val_fraction < 1, f"--val-fraction must be in [0, 1), not {self.val_fraction}")
         require(self.lr > 0, f"--lr must be positive, not {self.lr}")
         set_mla = [f"--{_flag(k)}" for k, v in self.mla_dims.items() if v is not None]
-        require(self.draft_arch == "mla" or not set_mla,
+        require(self.draft_arch in ("mla", "auto") or not set_mla,
                 f"{', '.join(set_mla)} shape the MLA draft layer only; add --draft-arch mla or drop them")
         self.step_weights  # noqa: B018 -- a malformed --ttt-decay is refused before any work
 
