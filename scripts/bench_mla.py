@@ -59,7 +59,7 @@ def params(export: Path) -> dict:
     from safetensors import safe_open
 
     with safe_open(str(export / "model.safetensors"), framework="pt") as f:
-        sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+        sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118 (safe_open)
     weights = [k for k in sizes if k not in ("d2t", "t2d")]
     core = [k for k in weights if not k.startswith(("embed_tokens", "lm_head"))]
     return {"export": sum(math.prod(sizes[k]) for k in weights),
@@ -116,7 +116,8 @@ def main(argv=None) -> int:
     for arch, r in rows.items():
         al = f"{r['vllm_al']:.3f} ({r['vllm_drafts']})" if r["vllm_al"] else "-"
         print(f"| {arch} | {r['params']['export']:,} | {r['params']['without_embed_lm_head']:,} | {r['steps']} | "
-              f"{r['train_tokens_per_s']:.0f} | {r['train_tokens_per_cpu_s']:.0f} | {r['val_al'] or 0:.3f} | {r['offline_al'] or 0:.3f} | {al} |")
+              f"{r['train_tokens_per_s']:.0f} | {r['train_tokens_per_cpu_s']:.0f} | {r['val_al'] or 0:.3f} | "
+              f"{r['offline_al'] or 0:.3f} | {al} |")
     if {"llama", "mla"} <= set(rows):
         m, ll = rows["mla"], rows["llama"]
         print(f"training throughput mla / llama: {m['train_tokens_per_s'] / ll['train_tokens_per_s']:.2f} (wall), "

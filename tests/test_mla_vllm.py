@@ -32,7 +32,8 @@ def test_04_mla_draft_served_by_vllm_as_the_twins_eagle3_draft(tmp_path, kimi_tw
     data = synthetic_training_set(tmp_path / "data", kimi_twin_dir, n=120, seed=0)
     store, vocab, run, ev = (tmp_path / n for n in ("02", "03", "04", "05"))
     assert load_script("02_extract_hidden_states").main(
-        ["--input", str(data), "--model", str(kimi_twin_dir), "--output-dir", str(store), "--backend", "hf"]) in (0, None)
+        ["--input", str(data), "--model", str(kimi_twin_dir), "--output-dir", str(store), "--backend", "hf"]
+    ) in (0, None)
     assert load_script("03_build_vocab_mapping").main(
         ["--data", str(data), "--target", str(kimi_twin_dir), "--output-dir", str(vocab),
          "--draft-vocab-size", "256"]) in (0, None)

@@ -13,8 +13,8 @@ so the TTT unroll, loss and loop are the Llama path's, unchanged: each TTT step 
 
 The export is not the speculators format (vLLM's speculators reader maps only llama/qwen3 layers,
 vllm/transformers_utils/configs/speculators/algos.py): it is a plain DeepSeek-V3 config with
-`architectures: ["Eagle3DeepseekV2ForCausalLM"]` (model_type deepseek_v2, see MODEL_TYPE), which vLLM wraps in its EAGLEConfig, plus the EAGLE-3
-keys that file reads, written explicitly. Our own metadata (k, the verifier) sits under
+`architectures: ["Eagle3DeepseekV2ForCausalLM"]` (model_type deepseek_v2, see MODEL_TYPE), which vLLM
+wraps in its EAGLEConfig, plus the EAGLE-3 keys that file reads, written explicitly. Our own metadata (k, the verifier) sits under
 `eagle3_train`, never `speculators_config` (that key makes vLLM read the file as speculators').
 """
 
@@ -89,8 +89,11 @@ class MlaFirstLayer(nn.Module):
     norm_before_residual), as speculators' Llama first layer and vLLM's DeepseekV2Eagle3DecoderLayer."""
 
     def __init__(self, cfg, layer_idx: int = 0, norm_before_residual: bool = False):
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention, DeepseekV3MLP,
-                                                                           DeepseekV3RMSNorm)
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+            DeepseekV3Attention,
+            DeepseekV3MLP,
+            DeepseekV3RMSNorm,
+        )
 
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -282,7 +285,9 @@ def export_mla(model: MlaDraft, out_dir: Path, *, extra: dict | None = None) -> 
     dtype = model.fc.weight.dtype
     need = {"fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight",
             "layers.0.self_attn.kv_a_proj_with_mqa.weight", "layers.0.self_attn.kv_b_proj.weight",
-            "layers.0.self_attn.o_proj.weight", "layers.0.hidden_norm.weight"} | ({"d2t", "t2d"} if model.use_draft_vocab else set())
+            "layers.0.self_attn.o_proj.weight", "layers.0.hidden_norm.weight"}
+    if model.use_draft_vocab:
+        need |= {"d2t", "t2d"}
     if missing := need - set(state):
         raise RuntimeError(f"MLA export weights lack {sorted(missing)}")
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})

