@@ -18,7 +18,7 @@ from test_kimi_twin_e2e import _vllm_cpu_has_amx
 
 from eagle3_train.tiny import synthetic_examples
 
-# A draft that is never accepted gives 1.00; measured on this run: see the report printed on failure.
+# A draft that is never accepted gives 1.00; measured: vLLM 1.667 (252 drafts), 05 offline 1.661.
 MIN_AL = 1.2
 
 
