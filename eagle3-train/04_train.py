@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eagle3_train.configs.train import EXPORT_DTYPES, TrainConfig
+from eagle3_train.configs.train import DRAFT_ARCHS, EXPORT_DTYPES, MLA_FIELDS, TrainConfig
 from eagle3_train.errors import run_main
 
 
@@ -39,12 +39,14 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--overwrite", action="store_true", **C.arg("overwrite"))
     g.add_argument("--export-from", choices=("best", "last"), **C.arg("export_from"))
     g = p.add_argument_group("draft model")
-    g.add_argument("--draft-arch", choices=("llama", "qwen3"), **C.arg("draft_arch"))
+    g.add_argument("--draft-arch", choices=DRAFT_ARCHS, **C.arg("draft_arch"))
     g.add_argument("--draft-layers", type=int, **C.arg("draft_layers"))
     g.add_argument("--draft-hidden-size", type=int, **C.arg("draft_hidden_size"))
     g.add_argument("--draft-intermediate-size", type=int, **C.arg("draft_intermediate_size"))
     g.add_argument("--draft-heads", type=int, **C.arg("draft_heads"))
     g.add_argument("--draft-kv-heads", type=int, **C.arg("draft_kv_heads"))
+    for name in MLA_FIELDS:
+        g.add_argument(f"--{name.replace('_', '-')}", type=int, **C.arg(name))
     g.add_argument("--aux-layer-ids", type=_ids, **C.arg("aux_layer_ids"))
     g.add_argument("--norm-before-residual", action="store_true", **C.arg("norm_before_residual"))
     g.add_argument("--train-embeddings", action="store_true", **C.arg("train_embeddings"))

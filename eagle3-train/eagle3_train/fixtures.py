@@ -63,17 +63,15 @@ def synthetic_training_set(directory: Path, tokenizer_dir: Path, *, n: int, seed
     (ids `<prefix><seed>-<i>`), made the way the pipeline makes one: tokenization.tokenize_sample ->
     dataset.training_record, data.jsonl, then the manifest with the tokenizer's fingerprint.
     For tests and benchmarks that need 01c's output without a server. Returns `directory`."""
-    from transformers import AutoTokenizer
-
     from .dataset import DATA, STAGE, summarize, training_record
     from .manifest import describe_tokenizer, write_manifest
     from .store import JsonlWriter
     from .tiny import synthetic_examples
-    from .tokenization import ChatFormat, tokenize_sample
+    from .tokenization import ChatFormat, load_tokenizer, tokenize_sample
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok = load_tokenizer(str(tokenizer_dir))  # the stages' loader: the Kimi twin's is remote code
     fmt = ChatFormat.from_tokenizer(tok)
     records = []
     for i, ex in enumerate(synthetic_examples(n, seed)):

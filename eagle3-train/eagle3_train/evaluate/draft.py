@@ -15,7 +15,8 @@ from ..store import json_sha256
 
 
 def read_draft_config(draft_dir: Path) -> dict:
-    """The export's config.json, checked to be a speculators EAGLE-3 draft."""
+    """The export's config.json, checked to be a speculators EAGLE-3 draft, or an MLA draft in
+    vLLM's deepseek_eagle3 format (draft_mla.py), seen through the speculators keys 05 reads."""
     path = Path(draft_dir) / "config.json"
     if not path.exists():
         raise PipelineError(f"{draft_dir} is not a draft export (no config.json); pass 04's export/ dir")
@@ -23,6 +24,14 @@ def read_draft_config(draft_dir: Path) -> dict:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise PipelineError(f"{path} is not valid JSON ({e.msg})") from None
+    from ..draft_mla import META, is_mla_export
+
+    if is_mla_export(cfg):
+        meta = cfg.get(META) or {}
+        return {**cfg, "transformer_layer_config": {"vocab_size": cfg.get("vocab_size"),
+                                                    "hidden_size": cfg.get("hidden_size")},
+                "speculators_config": {"proposal_methods": [{"speculative_tokens": meta.get("speculative_tokens")}],
+                                       "verifier": {"name_or_path": meta.get("verifier")}}}
     if cfg.get("speculators_model_type") != "eagle3":
         raise PipelineError(f"{path} has speculators_model_type={cfg.get('speculators_model_type')!r}, "
                             "expected 'eagle3' (a speculators-format EAGLE-3 export)")
@@ -79,8 +88,11 @@ def load_draft(draft_dir: Path, target: Path, *, device: str = "cpu", dtype: str
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     from ..draft import load_target_weights
+    from ..draft_mla import is_mla_export, load_mla_draft
 
     draft_dir = Path(draft_dir)
+    if is_mla_export(read_draft_config(draft_dir)):
+        return load_mla_draft(draft_dir, target).to(device=device, dtype=DTYPES[dtype]).eval()
     config = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
     config.transformer_layer_config._attn_implementation = "sdpa"
     files = sorted(draft_dir.glob("*.safetensors"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..configs.train import EXPORT, METRICS, STAGE
-from ..draft import export_draft, load_target_weights
+from ..draft import export_draft, load_target_weights, resolve_arch
 from ..manifest import describe_target, write_manifest
 from .metrics import plot_curves, read_metrics
 from .model import make_draft
@@ -52,7 +52,7 @@ def export(trainer, identity: dict) -> dict:
             best=best, final_val=(read_metrics(out).get("val") or [None])[-1],
             target=describe_target(trainer.inp.target_cfg, config.target),
             tokenizer=trainer.inp.store.manifest.get("tokenizer"), layer_ids=trainer.inp.aux_ids,
-            draft={"arch": config.draft_arch, "hidden_size": draft.config.transformer_layer_config.hidden_size,
+            draft={"arch": resolve_arch(config.draft_arch, trainer.inp.target_cfg), "hidden_size": draft.config.transformer_layer_config.hidden_size,
                    "target_hidden_size": draft.config.target_hidden_size,
                    "draft_vocab_size": draft.config.draft_vocab_size})
         print(f"exported step {pick} to {out / EXPORT}"

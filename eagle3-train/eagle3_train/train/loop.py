@@ -27,7 +27,7 @@ from .data import Loader, make_plan
 from .dist import Dist, setup_dist
 from .inputs import Inputs, input_identity, open_inputs
 from .metrics import Meter, Recorder
-from .model import build_model
+from .model import build_model, draft_arch
 from .objective import batch_metrics, combine, prepare
 
 
@@ -43,6 +43,7 @@ def run(config: TrainConfig, *, on_step: Callable[[int], None] | None = None) ->
         torch.set_num_threads(config.threads)
     out = Path(config.output_dir)
     inp = open_inputs(config, d.dtype)
+    draft_arch(config, inp)  # a draft the target cannot have: refused before anything is written
     identity = input_identity(inp, config.vocab_mapping)
     with DirLock(out, STAGE) if d.main else contextlib.nullcontext():
         if d.main:

@@ -18,17 +18,36 @@ from .objective import Objective
 ATTN_IMPL = {"flex": "simple_flex_attention", "sdpa": "sdpa", "eager": "eager"}
 
 
+def draft_arch(config: TrainConfig, inp: Inputs) -> str:
+    """The draft's layer style for this target (auto resolved), its shape checked: called before
+    anything is written, so a draft the target cannot have is refused in one line."""
+    dims = mla_dims(config)
+    arch = D.resolve_arch(config.draft_arch, inp.target_cfg, dims)
+    if arch == "mla":
+        from ..draft_mla import mla_layer_config
+
+        mla_layer_config(inp.target_cfg, num_layers=config.draft_layers, dims=dims, target_name=str(inp.target))
+    return arch
+
+
+def mla_dims(config: TrainConfig) -> dict:
+    return {k.removeprefix("draft_"): v for k, v in config.mla_dims.items()}
+
+
 def make_draft(config: TrainConfig, inp: Inputs, weights: dict, attn: str = "sdpa"):
     """A fresh draft for the target, shaped by the config (weights: D.load_target_weights)."""
+    arch = draft_arch(config, inp)
+    dims = mla_dims(config)
     return D.build_draft(inp.target, inp.target_cfg, aux_layer_ids=inp.aux_ids,
                          d2t=torch.from_numpy(inp.mapping.d2t).long(), t2d=torch.from_numpy(inp.mapping.t2d).bool(),
-                         weights=weights, arch=config.draft_arch, hidden_size=config.draft_hidden_size,
+                         weights=weights, arch=arch, hidden_size=config.draft_hidden_size,
                          intermediate_size=config.draft_intermediate_size, num_layers=config.draft_layers,
                          num_heads=config.draft_heads, num_kv_heads=config.draft_kv_heads,
                          norm_before_residual=config.norm_before_residual,
                          speculative_tokens=config.num_speculative_tokens,
                          train_embeddings=config.train_embeddings, train_lm_head=config.train_lm_head,
-                         attn_impl=ATTN_IMPL[attn], seed=config.seed)
+                         attn_impl=ATTN_IMPL[attn], seed=config.seed,
+                         mla_dims=dims)
 
 
 @dataclass

