@@ -175,3 +175,44 @@ def test_a_checkpoint_of_another_optimizer_is_refused(inputs, tmp_path):
     (out / "run.json").write_text(json.dumps(rj))
     with pytest.raises(PipelineError, match="trained with --optimizer adamw, but this run uses muon"):
         run(stage.parse_args(inputs_argv(inputs, out, budget="6", epochs=None)))
+
+
+def test_ce_loss_is_cross_entropy_on_the_targets_top_draft_token():
+    from types import SimpleNamespace
+
+    from eagle3_train.train.objective import Objective
+
+    torch.manual_seed(0)
+    logits, target = torch.randn(5, 8), torch.randn(5, 8)
+    rows = torch.arange(5)
+    want = -torch.log_softmax(logits, -1).gather(-1, target.argmax(-1, keepdim=True)).squeeze(-1)
+    dense = Objective(torch.nn.Linear(1, 1), 1, [1.0], "eager", False, None, loss="ce")
+    per, keep = dense.position_loss(logits, SimpleNamespace(targets=target), rows)
+    torch.testing.assert_close(per, want)
+    assert keep.all()
+    # top-k targets are target-vocab ids: the first one inside the draft vocab is the label
+    tgt2draft = torch.tensor([-1, 0, 1, 2, 3, 4, 5, 6, 7])  # target id 0 is outside the draft vocab
+    ids = torch.tensor([[0, 3, 2]] * 5)  # sorted by log-prob; 0 (outside) is skipped -> draft id 2
+    topk = Objective(torch.nn.Linear(1, 1), 1, [1.0], "eager", True, tgt2draft, loss="ce")
+    per, keep = topk.position_loss(logits, SimpleNamespace(topk_ids=ids, topk_lp=torch.zeros(5, 3)), rows)
+    torch.testing.assert_close(per, -torch.log_softmax(logits, -1)[:, 2])
+    kl = Objective(torch.nn.Linear(1, 1), 1, [1.0], "eager", False, None)
+    assert not torch.allclose(kl.position_loss(logits, SimpleNamespace(targets=target), rows)[0], want)
+
+
+def test_a_time_budget_is_calibrated_once_and_kept_on_resume(inputs, tmp_path):
+    out = tmp_path / "run"
+    flags = dict(budget="3s", epochs=None, save_every=1)
+
+    def stop(step):
+        raise KeyboardInterrupt  # after the first step: the schedule is already fixed
+
+    with pytest.raises(KeyboardInterrupt):
+        run(stage.parse_args(inputs_argv(inputs, out, "--max-steps", "6", **flags)), on_step=stop)
+    first = (out / "schedule.json").read_bytes()
+    sched = json.loads(first)
+    assert sched["seconds_per_step"] > 0 and "calibrated" in sched["why"]
+    assert sched["total_steps"] == min(6, max(1, int(3 / sched["seconds_per_step"])))
+    run(stage.parse_args(inputs_argv(inputs, out, "--max-steps", "6", **flags)))  # resumed: not re-measured
+    assert (out / "schedule.json").read_bytes() == first
+    assert json.loads((out / "manifest.json").read_text())["counts"]["steps"] == sched["total_steps"]

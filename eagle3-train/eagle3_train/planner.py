@@ -116,7 +116,7 @@ def draft_params(shape: Shape, f: Flags) -> dict[str, int]:
 
 def train_memory(shape: Shape, f: Flags) -> dict[str, int]:
     """04's peak per GPU (DDP: every GPU holds the whole draft): fp32 weights of every parameter,
-    fp32 grads + AdamW's two fp32 states of the trainable ones, the target head's rows and full
+    fp32 grads + the optimizer state of the trainable ones (state_bytes), the target head's rows and full
     lm_head (for the greedy token) in bf16 unless the store holds top-k, and the activations the
     backward keeps for max_tokens_per_batch tokens over ttt_steps steps."""
     p = draft_params(shape, f)
@@ -197,7 +197,7 @@ def table(p: dict) -> str:
         rows.append(f"{name:<6}{gb(s.get('disk')):>12}{gb(s.get('gpu_memory')):>12}{s.get('tokens', 0):>16,}"
                     f"{s.get('rate_tok_s', 0):>10,.0f}{s.get('hours', 0):>9.1f}  {s.get('rate_source', '')}")
     m = p["stages"]["04"]["memory_parts"]
-    rows.append(f"04 per GPU: weights {gb(m['weights'])}, grads+AdamW {gb(m['grads_and_adam'])}, target head "
+    rows.append(f"04 per GPU: weights {gb(m['weights'])}, grads+optimizer {gb(m['grads_and_adam'])}, target head "
                 f"{gb(m['target_head'])}, activations {gb(m['activations'])} "
                 f"({m['trainable_params'] / 1e6:,.0f}M trainable of {m['params'] / 1e6:,.0f}M)")
     s4 = p["stages"]["04"]
