@@ -58,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--kimi-twin", action="store_true",
                    help="run on the tiny Kimi-K2.5 twin (K2.5's wrapper, MLA + MoE, vocab 163,840, remote-code "
                         "tiktoken tokenizer), assembled from assets/kimi-twin-core into the fixture cache")
+    p.add_argument("--budget", help="04's --budget, e.g. 80 (steps) for a shorter CI run (default: 04's own rule)")
     for key, val in PROFILES["full"].items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(val), help=f"override the profile (full: {val})")
     return p.parse_args(argv)
@@ -164,7 +165,8 @@ def main(argv=None):
         ("04_train", "train the EAGLE-3 draft with 04's default recipe, export it for vLLM", [(d["04"], TRAIN_STAGE)],
          lambda: run([py, STAGES / "04_train.py", "--hidden-states", d["02"], "--vocab-mapping", d["03"],
                       "--target", target, "--output-dir", d["04"], "--num-speculative-tokens", 3,
-                      "--max-tokens-per-batch", 1024, "--val-fraction", 0.1, "--save-every", 50], log)),
+                      "--max-tokens-per-batch", 1024, "--val-fraction", 0.1, "--save-every", 50,
+                      *(["--budget", args.budget] if args.budget else [])], log)),
         ("05_evaluate", "acceptance offline, then in vLLM: eagle3 vs none vs ngram", [(d["05"], EVAL_STAGE)],
          lambda: run([py, STAGES / "05_evaluate.py", "--draft", d["04"] / "export", "--target", target,
                       "--store", d["02"], "--prompts", heldout, "--output-dir", d["05"],
