@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from ..budget import MAX_EPOCHS, MIN_STEPS, parse_budget
 from ..config import TRAIN, StageConfig, require, setting
 from ..errors import PipelineError
 
@@ -87,8 +88,8 @@ class TrainConfig(StageConfig):
                                                        "trained; reported at start and in the manifest) "
                                                        "(default: none cut)")
     grad_accum: int = setting(1, help="batches per process per step")
-    epochs: int | None = setting(None, help="passes over the training split (default: enough to reach "
-                                            "1000 optimizer steps, at most 10; see --budget)")
+    epochs: int | None = setting(None, help=f"passes over the training split (default: enough to reach "
+                                            f"{MIN_STEPS} optimizer steps, at most {MAX_EPOCHS}; see --budget)")
     budget: str | None = setting(None, help="train for a time (2h, 30m), tokens (5M) or steps (3000); epochs "
                                             "follow (default: the --epochs rule)")
     max_steps: int | None = setting(None, help="stop after this many steps (default: all)")
@@ -130,8 +131,6 @@ class TrainConfig(StageConfig):
         require(self.loss in LOSSES, f"--loss must be one of {', '.join(LOSSES)}, not {self.loss!r}")
         require(self.budget is None or self.epochs is None,
                 f"--budget {self.budget} and --epochs {self.epochs} both set the run's length: give one")
-        from ..budget import parse_budget
-
         parse_budget(self.budget)
         self.step_weights  # noqa: B018 -- a malformed --ttt-decay is refused before any work
 
