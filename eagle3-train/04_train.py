@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eagle3_train.configs.train import DRAFT_ARCHS, EXPORT_DTYPES, MLA_FIELDS, TrainConfig
+from eagle3_train.configs.train import DRAFT_ARCHS, EXPORT_DTYPES, LOSSES, MLA_FIELDS, OPTIMIZERS, TrainConfig
 from eagle3_train.errors import run_main
 
 
@@ -49,6 +49,7 @@ def parse_args(argv=None) -> TrainConfig:
         g.add_argument(f"--{name.replace('_', '-')}", type=int, **C.arg(name))
     g.add_argument("--aux-layer-ids", type=_ids, **C.arg("aux_layer_ids"))
     g.add_argument("--norm-before-residual", action="store_true", **C.arg("norm_before_residual"))
+    g.add_argument("--norm-before-fc", action=argparse.BooleanOptionalAction, **C.arg("norm_before_fc"))
     g.add_argument("--train-embeddings", action="store_true", **C.arg("train_embeddings"))
     g.add_argument("--train-lm-head", action="store_true", **C.arg("train_lm_head"))
     g.add_argument("--num-speculative-tokens", type=int, **C.arg("num_speculative_tokens"))
@@ -56,13 +57,16 @@ def parse_args(argv=None) -> TrainConfig:
     g = p.add_argument_group("objective")
     g.add_argument("--ttt-steps", type=int, **C.arg("ttt_steps"))
     g.add_argument("--ttt-decay", **C.arg("ttt_decay"))
+    g.add_argument("--loss", choices=LOSSES, **C.arg("loss"))
     g = p.add_argument_group("optimisation")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, **C.arg("optimizer"))
     g.add_argument("--lr", type=float, **C.arg("lr"))
     g.add_argument("--min-lr-ratio", type=float, **C.arg("min_lr_ratio"))
     g.add_argument("--schedule", choices=("cosine", "linear", "constant"), **C.arg("schedule"))
     g.add_argument("--warmup-steps", type=int, **C.arg("warmup_steps"))
     g.add_argument("--warmup-ratio", type=float, **C.arg("warmup_ratio"))
     g.add_argument("--weight-decay", type=float, **C.arg("weight_decay"))
+    g.add_argument("--muon-weight-decay", type=float, **C.arg("muon_weight_decay"))
     g.add_argument("--beta1", type=float, **C.arg("beta1"))
     g.add_argument("--beta2", type=float, **C.arg("beta2"))
     g.add_argument("--grad-clip", type=float, **C.arg("grad_clip"))
@@ -71,6 +75,7 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--max-sample-tokens", type=int, **C.arg("max_sample_tokens"))
     g.add_argument("--grad-accum", type=int, **C.arg("grad_accum"))
     g.add_argument("--epochs", type=int, **C.arg("epochs"))
+    g.add_argument("--budget", **C.arg("budget"))
     g.add_argument("--max-steps", type=int, **C.arg("max_steps"))
     g.add_argument("--val-fraction", type=float, **C.arg("val_fraction"))
     g.add_argument("--val-max-samples", type=int, **C.arg("val_max_samples"))

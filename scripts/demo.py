@@ -43,9 +43,9 @@ TRAIN_SEED, HELDOUT_SEED = 1, 2  # the tiny target itself was trained on seed 10
 
 # Sizes: `full` is the README's demo; `quick` is the same path, smaller, for the end-to-end test.
 PROFILES = {
-    "full": {"train_prompts": 600, "heldout_prompts": 24, "max_tokens": 320, "epochs": 3,
+    "full": {"train_prompts": 600, "heldout_prompts": 24, "max_tokens": 320,
              "concurrency": "1,4,16", "gen_concurrency": 32, "arms": "eagle3,none,ngram"},
-    "quick": {"train_prompts": 300, "heldout_prompts": 12, "max_tokens": 320, "epochs": 3,
+    "quick": {"train_prompts": 300, "heldout_prompts": 12, "max_tokens": 320,
               "concurrency": "1,8", "gen_concurrency": 32, "arms": "eagle3,none,ngram"},
 }
 
@@ -58,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--kimi-twin", action="store_true",
                    help="run on the tiny Kimi-K2.5 twin (K2.5's wrapper, MLA + MoE, vocab 163,840, remote-code "
                         "tiktoken tokenizer), assembled from assets/kimi-twin-core into the fixture cache")
+    p.add_argument("--budget", help="04's --budget, e.g. 80 (steps) for a shorter CI run (default: 04's own rule)")
     for key, val in PROFILES["full"].items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(val), help=f"override the profile (full: {val})")
     return p.parse_args(argv)
@@ -161,11 +162,12 @@ def main(argv=None):
         ("03_build_vocab_mapping", "the draft vocabulary and its coverage", [(d["03"], VOCAB_STAGE)],
          lambda: run([py, STAGES / "03_build_vocab_mapping.py", "--data", tokenized, "--target", target,
                       "--output-dir", d["03"], "--draft-vocab-size", 256], log)),
-        ("04_train", "train the EAGLE-3 draft (1 layer, TTT 3), export it for vLLM", [(d["04"], TRAIN_STAGE)],
+        # 04's own recipe (optimizer, lr, epochs for the data size, TTT): no recipe flags here.
+        ("04_train", "train the EAGLE-3 draft with 04's default recipe, export it for vLLM", [(d["04"], TRAIN_STAGE)],
          lambda: run([py, STAGES / "04_train.py", "--hidden-states", d["02"], "--vocab-mapping", d["03"],
-                      "--target", target, "--output-dir", d["04"], "--epochs", prof["epochs"], "--lr", "3e-3",
-                      "--ttt-steps", 3, "--num-speculative-tokens", 3, "--max-tokens-per-batch", 1024,
-                      "--val-fraction", 0.1, "--save-every", 50, "--warmup-steps", 10], log)),
+                      "--target", target, "--output-dir", d["04"], "--num-speculative-tokens", 3,
+                      "--max-tokens-per-batch", 1024, "--val-fraction", 0.1, "--save-every", 50,
+                      *(["--budget", args.budget] if args.budget else [])], log)),
         ("05_evaluate", "acceptance offline, then in vLLM: eagle3 vs none vs ngram", [(d["05"], EVAL_STAGE)],
          lambda: run([py, STAGES / "05_evaluate.py", "--draft", d["04"] / "export", "--target", target,
                       "--store", d["02"], "--prompts", heldout, "--output-dir", d["05"],

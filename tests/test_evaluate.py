@@ -102,7 +102,9 @@ def test_packing_samples_gives_the_same_proposals_as_one_by_one(store_dir, draft
         assert all(int(t.max()) < 250 for t in alone)  # mapped into the draft's target-id range
 
 
-def test_load_draft_reads_04s_export_of_a_draft_narrower_than_the_target(tmp_path, store_dir, llama_target_dir):
+@pytest.mark.parametrize("norm_before_fc", [False, True])  # its input_norm is sized by fc's input, too
+def test_load_draft_reads_04s_export_of_a_draft_narrower_than_the_target(tmp_path, store_dir, llama_target_dir,
+                                                                         norm_before_fc):
     from transformers import AutoConfig
 
     from eagle3_train import draft as dr
@@ -113,7 +115,10 @@ def test_load_draft_reads_04s_export_of_a_draft_narrower_than_the_target(tmp_pat
     ids = t2d.nonzero().squeeze(1)
     d2t = ids - torch.arange(len(ids))
     model = dr.build_draft(str(llama_target_dir), cfg, aux_layer_ids=[2, 4, 5], d2t=d2t, t2d=t2d,
-                           weights=dr.load_target_weights(llama_target_dir), hidden_size=64).eval()
+                           weights=dr.load_target_weights(llama_target_dir), hidden_size=64,
+                           norm_before_fc=norm_before_fc).eval()
+    if norm_before_fc:  # not the init's ones, so a norm that is not loaded shows
+        torch.nn.init.normal_(model.input_norm.weight, 1.0, 0.5)
     dr.export_draft(model, tmp_path / "export")
     loaded = load_draft(tmp_path / "export", llama_target_dir)
     samples = [HiddenStates(store_dir).get(i) for i in HiddenStates(store_dir).ids[:2]]

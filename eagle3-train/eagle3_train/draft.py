@@ -186,7 +186,7 @@ def build_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t: torch
                 t2d: torch.Tensor | None, weights: dict | None, arch: str = "llama",
                 hidden_size: int | None = None, intermediate_size: int | None = None, num_layers: int = 1,
                 num_heads: int | None = None, num_kv_heads: int | None = None,
-                norm_before_residual: bool = False, speculative_tokens: int = 3,
+                norm_before_residual: bool = False, norm_before_fc: bool = False, speculative_tokens: int = 3,
                 train_embeddings: bool = False, train_lm_head: bool = False, attn_impl: str = "sdpa",
                 init_std: float = 0.02, seed: int = 0, mla_dims: dict | None = None):
     """A fresh draft for `target`. `weights` (from load_target_weights) seed embed_tokens and
@@ -211,7 +211,7 @@ def build_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t: torch
     draft_vocab = vocab if d2t is None else int(d2t.shape[0])
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=lc, draft_vocab_size=draft_vocab,
-        norm_before_residual=norm_before_residual, target_hidden_size=tc.hidden_size,
+        norm_before_residual=norm_before_residual, norm_before_fc=norm_before_fc, target_hidden_size=tc.hidden_size,
         eagle_aux_hidden_state_layer_ids=list(aux_layer_ids), embed_requires_grad=train_embeddings,
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3",
@@ -228,6 +228,8 @@ def build_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t: torch
     if not wide:
         model.fc = nn.Linear(n_aux * tc.hidden_size, lc.hidden_size, bias=False)
         nn.init.normal_(model.fc.weight, std=init_std)
+        if model.input_norm is not None:  # speculators sizes it by the draft's width too; vLLM by fc's input
+            model.input_norm = type(model.input_norm)(n_aux * tc.hidden_size, eps=lc.rms_norm_eps)
     if d2t is not None and draft_vocab != vocab:
         model.load_vocab_mappings(t2d.bool(), d2t.long())
     with torch.no_grad():
@@ -338,13 +340,16 @@ def export_draft(model, out_dir: Path, *, extra: dict | None = None) -> Path:
             "eagle_aux_hidden_state_layer_ids": list(model.config.eagle_aux_hidden_state_layer_ids),
             "draft_vocab_size": model.config.draft_vocab_size,
             "target_hidden_size": model.config.target_hidden_size,
-            "norm_before_residual": model.config.norm_before_residual}
+            "norm_before_residual": model.config.norm_before_residual,
+            "norm_before_fc": model.config.norm_before_fc}
     for key, val in want.items():
         if cfg.get(key) != val:
             raise RuntimeError(f"export config.json has {key}={cfg.get(key)!r}, expected {val!r}")
     with safe_open(str(tmp / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
     need = {"fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight"}
+    if model.config.norm_before_fc:
+        need.add("input_norm.weight")
     if model.use_draft_vocab:
         need |= {"d2t", "t2d"}
     if missing := need - keys:

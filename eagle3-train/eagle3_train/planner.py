@@ -65,6 +65,7 @@ class Flags:
     attn: str = "flex"  # flex: no S x S scores; sdpa/eager: dense scores per head
     act_bytes: int = 2  # bf16 autocast on GPU; 4 on CPU
     epochs: int = 1
+    optimizer: str = "muon"  # 04's default; Muon keeps one fp32 state per matrix weight, AdamW two
     head_chunk: int = 2048  # rows of full-vocabulary logits at a time (02's top-k head, 05's greedy)
     raw_bytes_per_token: float = RAW_BYTES_PER_TOKEN
     tokenized_bytes: int | None = None  # measured from --data instead of estimated
@@ -115,7 +116,7 @@ def draft_params(shape: Shape, f: Flags) -> dict[str, int]:
 
 def train_memory(shape: Shape, f: Flags) -> dict[str, int]:
     """04's peak per GPU (DDP: every GPU holds the whole draft): fp32 weights of every parameter,
-    fp32 grads + AdamW's two fp32 states of the trainable ones, the target head's rows and full
+    fp32 grads + the optimizer state of the trainable ones (state_bytes), the target head's rows and full
     lm_head (for the greedy token) in bf16 unless the store holds top-k, and the activations the
     backward keeps for max_tokens_per_batch tokens over ttt_steps steps."""
     p = draft_params(shape, f)
@@ -129,15 +130,21 @@ def train_memory(shape: Shape, f: Flags) -> dict[str, int]:
     attn = f.ttt_steps * shape.heads * S * S * 4 if f.attn != "flex" else 0
     head = 0 if f.storage == "fp8-topk" else (shape.vocab + dv) * H * a + 2 * S * dv * 4
     act = f.ttt_steps * S * per_tok + S * f.n_aux * H * a + attn
-    out = {"weights": total * 4, "grads_and_adam": trainable * 12, "target_head": head,
+    out = {"weights": total * 4, "grads_and_adam": trainable * (4 + state_bytes(f)), "target_head": head,
            "activations": act, "trainable_params": trainable, "params": total}
     out["total"] = out["weights"] + out["grads_and_adam"] + head + act
     return out
 
 
+def state_bytes(f: Flags) -> int:
+    """Optimizer state per trainable parameter, fp32: AdamW's two moments, or Muon's momentum (the
+    few norm weights it leaves to AdamW are neglected)."""
+    return 8 if f.optimizer == "adamw" else 4
+
+
 def checkpoint_bytes(shape: Shape, f: Flags) -> int:
-    """A checkpoint: the trainable weights + AdamW's two states, fp32 (weights.pt + optimizer.pt)."""
-    return train_memory(shape, f)["trainable_params"] * 12
+    """A checkpoint: the trainable weights + the optimizer state, fp32 (weights.pt + optimizer.pt)."""
+    return train_memory(shape, f)["trainable_params"] * (4 + state_bytes(f))
 
 
 def export_bytes(shape: Shape, f: Flags, dtype_bytes: int) -> int:
@@ -190,7 +197,7 @@ def table(p: dict) -> str:
         rows.append(f"{name:<6}{gb(s.get('disk')):>12}{gb(s.get('gpu_memory')):>12}{s.get('tokens', 0):>16,}"
                     f"{s.get('rate_tok_s', 0):>10,.0f}{s.get('hours', 0):>9.1f}  {s.get('rate_source', '')}")
     m = p["stages"]["04"]["memory_parts"]
-    rows.append(f"04 per GPU: weights {gb(m['weights'])}, grads+AdamW {gb(m['grads_and_adam'])}, target head "
+    rows.append(f"04 per GPU: weights {gb(m['weights'])}, grads+optimizer {gb(m['grads_and_adam'])}, target head "
                 f"{gb(m['target_head'])}, activations {gb(m['activations'])} "
                 f"({m['trainable_params'] / 1e6:,.0f}M trainable of {m['params'] / 1e6:,.0f}M)")
     s4 = p["stages"]["04"]
@@ -237,7 +244,8 @@ def dry_run_train(cfg) -> int:
               storage=(store.get("storage") or {}).get("format", "bf16"),
               n_aux=len(cfg.aux_layer_ids or store.get("aux_layer_ids") or [0, 0, 0]),
               draft_vocab_size=int((mapping.get("counts") or {}).get("draft_vocab_size") or shape.vocab),
-              max_tokens_per_batch=cfg.max_tokens_per_batch, ttt_steps=cfg.ttt_steps, epochs=cfg.epochs,
+              max_tokens_per_batch=cfg.max_tokens_per_batch, ttt_steps=cfg.ttt_steps, epochs=cfg.epochs or 1,
+              optimizer=cfg.optimizer,
               train_embeddings=cfg.train_embeddings, train_lm_head=cfg.train_lm_head,
               attn="flex" if cfg.attn in ("auto", "flex") else cfg.attn)
     s = plan(shape, f)["stages"]["04"]

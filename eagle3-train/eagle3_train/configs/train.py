@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from ..budget import MAX_EPOCHS, MIN_STEPS, parse_budget
 from ..config import TRAIN, StageConfig, require, setting
 from ..errors import PipelineError
 
@@ -17,12 +18,15 @@ EXPORT_DTYPES = ("bf16", "fp16", "fp32")
 DRAFT_ARCHS = ("auto", "llama", "qwen3", "mla")  # auto + draft.ARCHS (not imported: --help stays torch-free)
 MLA_FIELDS = tuple(f"draft_{k}" for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                           "v_head_dim"))
+OPTIMIZERS = ("muon", "adamw")
+LOSSES = ("kl", "ce")
+SCHEDULE = "schedule.json"  # the run's chosen length (recipe.choose_length), kept so a resume keeps it
 
 
 @dataclass(kw_only=True)
 class TrainConfig(StageConfig):
     stage: ClassVar[str] = TRAIN
-    outputs: ClassVar[tuple[str, ...]] = (METRICS, CKPT_DIR, EXPORT, "curves.png", "progress.log")
+    outputs: ClassVar[tuple[str, ...]] = (METRICS, CKPT_DIR, EXPORT, "curves.png", "progress.log", SCHEDULE)
     claims: ClassVar[tuple[str, ...]] = (CKPT_DIR, EXPORT)
 
     # -- inputs (their directories may move: their manifests' hashes identify them, see inputs.py)
@@ -59,6 +63,8 @@ class TrainConfig(StageConfig):
                                                          "(default: all of them)")
     norm_before_residual: bool = setting(False, help="normalise the fused hidden state before the residual "
                                                      "(default: off, as speculators)")
+    norm_before_fc: bool = setting(True, help="RMSNorm over the concatenated aux states before fc (vLLM's Eagle3 "
+                                              "Llama reads it from the export; speculators' default for eagle3)")
     train_embeddings: bool = setting(False, help="train embed_tokens too (default: frozen copy of the target's)")
     train_lm_head: bool = setting(False, help="train the draft lm_head too (default: frozen, the target's rows "
                                               "for the draft vocab)")
@@ -67,16 +73,22 @@ class TrainConfig(StageConfig):
                                              "fp32 doubles the size)", resume=True)
 
     # -- objective
-    ttt_steps: int = setting(7, help="training-time-test steps: chained draft tokens the loss unrolls")
+    ttt_steps: int = setting(3, help="training-time-test steps: chained draft tokens the loss unrolls (vLLM's "
+                                     "usual 3 speculative tokens)")
+    loss: str = setting("kl", help="per-step loss: forward KL to the target's distribution (kl) or cross-entropy "
+                                   "on the target's greedy token (ce)")
     ttt_decay: str = setting("1.0", help="per-step loss weights: g (step k weighs g**k) or a comma list")
 
     # -- optimisation
-    lr: float = setting(1e-4, help="peak learning rate")
+    optimizer: str = setting("muon", help="muon: Muon on the hidden weight matrices (attention, MLP, fc), AdamW on "
+                                          "the rest; adamw: AdamW on everything")
+    lr: float = setting(3e-3, help="peak learning rate (Muon's matched to AdamW's update size, so one lr serves both)")
     min_lr_ratio: float = setting(0.0, help="final lr / peak lr")
     schedule: str = setting("cosine", help="decay after warmup")
     warmup_steps: int | None = setting(None, help="warmup steps (default: --warmup-ratio)")
     warmup_ratio: float = setting(0.02, help="warmup share of all steps")
     weight_decay: float = setting(0.01, help="AdamW weight decay")
+    muon_weight_decay: float = setting(0.1, help="Muon weight decay")
     beta1: float = setting(0.9, help="AdamW beta1")
     beta2: float = setting(0.95, help="AdamW beta2")
     grad_clip: float = setting(0.5, help="gradient norm clip, 0 = off")
@@ -88,7 +100,10 @@ class TrainConfig(StageConfig):
                                                        "trained; reported at start and in the manifest) "
                                                        "(default: none cut)")
     grad_accum: int = setting(1, help="batches per process per step")
-    epochs: int = setting(1, help="passes over the training split")
+    epochs: int | None = setting(None, help=f"passes over the training split (default: enough to reach "
+                                            f"{MIN_STEPS} optimizer steps, at most {MAX_EPOCHS}; see --budget)")
+    budget: str | None = setting(None, help="train for a time (2h, 30m), tokens (5M) or steps (3000); epochs "
+                                            "follow (default: the --epochs rule)")
     max_steps: int | None = setting(None, help="stop after this many steps (default: all)")
     val_fraction: float = setting(0.05, help="share of samples held out by id hash for validation "
                                              "(split.is_heldout, the rule 03 and 05 use)")
@@ -112,7 +127,7 @@ class TrainConfig(StageConfig):
                                         "writing nothing", resume=True)
 
     def validate(self) -> None:
-        for name in ("ttt_steps", "max_tokens_per_batch", "grad_accum", "epochs", "save_every", "log_every",
+        for name in ("ttt_steps", "max_tokens_per_batch", "grad_accum", "save_every", "log_every",
                      "draft_layers", "num_speculative_tokens", "keep_last"):
             require(getattr(self, name) >= 1, f"--{_flag(name)} must be at least 1, not {getattr(self, name)}")
         require(self.max_sample_tokens is None or self.max_sample_tokens >= 2,
@@ -125,6 +140,13 @@ class TrainConfig(StageConfig):
         set_mla = [f"--{_flag(k)}" for k, v in self.mla_dims.items() if v is not None]
         require(self.draft_arch in ("mla", "auto") or not set_mla,
                 f"{', '.join(set_mla)} shape the MLA draft layer only; add --draft-arch mla or drop them")
+        require(self.epochs is None or self.epochs >= 1, f"--epochs must be at least 1, not {self.epochs}")
+        require(self.optimizer in OPTIMIZERS,
+                f"--optimizer must be one of {', '.join(OPTIMIZERS)}, not {self.optimizer!r}")
+        require(self.loss in LOSSES, f"--loss must be one of {', '.join(LOSSES)}, not {self.loss!r}")
+        require(self.budget is None or self.epochs is None,
+                f"--budget {self.budget} and --epochs {self.epochs} both set the run's length: give one")
+        parse_budget(self.budget)
         self.step_weights  # noqa: B018 -- a malformed --ttt-decay is refused before any work
 
     @property

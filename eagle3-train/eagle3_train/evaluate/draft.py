@@ -105,6 +105,9 @@ def load_draft(draft_dir: Path, target: Path, *, device: str = "cpu", dtype: str
     fc = state.get("fc.weight")
     if fc is not None and fc.shape != model.fc.weight.shape:
         model.fc = torch.nn.Linear(fc.shape[1], fc.shape[0], bias=False)
+    norm = state.get("input_norm.weight")  # norm_before_fc: over fc's input, as vLLM builds it
+    if norm is not None and model.input_norm is not None and norm.shape != model.input_norm.weight.shape:
+        model.input_norm = type(model.input_norm)(norm.shape[0], eps=config.transformer_layer_config.rms_norm_eps)
     if "embed_tokens.weight" not in state:
         state["embed_tokens.weight"] = load_target_weights(target)["embed"]
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -1,7 +1,7 @@
-"""04's checkpoints: checkpoints/step-XXXXXXX/ holds weights.pt (trainable tensors), optimizer.pt,
-trainer.pt (scheduler, loop state, metric accumulators), rng/rank-R.pt, state.json and COMPLETE.
-Each is written in a temp dir and renamed into place, so it is valid only with COMPLETE; one
-`Checkpointer` owns the interval, keep-last, save, load and the records a kill could lose."""
+"""04's checkpoints: checkpoints/step-XXXXXXX/ holds weights.pt (trainable tensors), optimizer.pt
+(every optimizer's state, by parameter name), trainer.pt (schedulers, optimizer name, loop state,
+metric accumulators), rng/rank-R.pt, state.json and COMPLETE. Each is written in a temp dir and
+renamed into place, so it is valid only with COMPLETE; one `Checkpointer` owns the interval, keep-last, save, load and the records a kill could lose."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..configs.train import CKPT_DIR
+from ..errors import PipelineError
 from ..store import TMP_PREFIX, atomic_dir_commit, atomic_write_json
 from .dist import Dist
 from .metrics import read_metrics
@@ -51,15 +52,21 @@ class Checkpointer:
     def valid(self) -> dict[int, Path]:
         return dict(checkpoints(self.run_dir))
 
-    def load(self, core: nn.Module, opt) -> dict | None:
-        """Restore the last valid checkpoint into `core` and `opt` (and this rank's RNG); its
-        trainer state, or None when there is none."""
+    def load(self, core: nn.Module, opt, optimizer: str | None = None) -> dict | None:
+        """Restore the last valid checkpoint into `core` and `opt` (an optimizer or a list of
+        them; and this rank's RNG); its trainer state, or None when there is none. A checkpoint
+        made by another `optimizer` (one without the record: AdamW's) is refused."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         found = checkpoints(self.run_dir)
         if not found:
             return None
         path = self.resumed_from = found[-1][1]
+        state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+        made_with = state.get("optimizer", "adamw")
+        if optimizer is not None and made_with != optimizer:
+            raise PipelineError(f"{path} was trained with --optimizer {made_with}, but this run uses {optimizer}; "
+                                f"pass --optimizer {made_with} to resume it, or --overwrite to start over")
         sd = torch.load(path / "weights.pt", map_location="cpu", weights_only=True)
         osd = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
         set_state_dict(core, opt, model_state_dict=sd, optim_state_dict=osd,
@@ -67,7 +74,7 @@ class Checkpointer:
         rng = path / "rng" / f"rank-{self.d.rank:05d}.pt"
         if rng.exists():
             set_rng_state(torch.load(rng, map_location="cpu", weights_only=False), self.d.device)
-        return torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+        return state
 
     def load_weights(self, core: nn.Module, step: int) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

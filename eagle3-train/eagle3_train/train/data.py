@@ -155,6 +155,7 @@ class Plan:
     epochs: list[list[list[str]]]  # per epoch: its packed batches
     per_step: int  # batches per optimizer step (world x grad_accum)
     cut: dict = field(default_factory=dict)  # what --max-sample-tokens cuts (cut_report), train and val
+    lengths: dict = field(default_factory=dict)  # every sample's length
 
     def steps_in(self, e: int) -> int:
         return len(self.epochs[e]) // self.per_step
@@ -172,8 +173,9 @@ class Plan:
         return len(self.epochs), 0
 
 
-def make_plan(store, config: TrainConfig, per_step: int) -> Plan:
-    """The split, and each epoch's packed batches in their order."""
+def make_plan(store, config: TrainConfig, per_step: int, epochs: int | None = None) -> Plan:
+    """The split, and each of `epochs` (default --epochs, else 1) epochs' packed batches in their
+    order (epoch e's depends only on the seed and e, so a longer plan extends a shorter one)."""
     lengths = {i: store.length(i) for i in store.ids}
     train, val, dropped = split_ids(sorted(store.ids), lengths, config.val_fraction, config.val_max_samples)
     if not train:
@@ -181,11 +183,11 @@ def make_plan(store, config: TrainConfig, per_step: int) -> Plan:
                             f"{len(val)} for validation (--val-fraction {config.val_fraction})")
     cap, max_sample = config.max_tokens_per_batch, config.max_sample_tokens
     epochs = [pack(train, lengths, cap, random.Random(f"{config.seed}:{e}"), max_sample=max_sample)
-              for e in range(config.epochs)]
+              for e in range(epochs or config.epochs or 1)]
     plan = Plan(train, val, dropped, epochs, per_step,
                 {"train": cut_report(train, lengths, max_sample), "val": cut_report(val, lengths, max_sample),
                  "own_batch": sum(shifted(lengths[i], max_sample) > cap for i in train + val),
-                 "longest": max(shifted(lengths[i], max_sample) for i in train + val)})
+                 "longest": max(shifted(lengths[i], max_sample) for i in train + val)}, lengths)
     if plan.steps_in(0) == 0:
         raise PipelineError(f"{len(train)} training samples make {len(epochs[0])} batches of "
                             f"{cap} tokens, fewer than one step needs ({per_step} = processes x "

@@ -34,7 +34,8 @@ def export(trainer, identity: dict) -> dict:
     result = {}
     if d.main:
         draft = unsharded_draft(trainer, full) if sharded else model.draft.to("cpu").float()
-        info = {"step": pick, "best": best, "total_steps": trainer.total_steps, **model.kernels,
+        info = {"step": pick, "best": best, "total_steps": trainer.total_steps, "recipe": trainer.length,
+                **model.kernels,
                 "args": config.to_dict()}
         # bf16 by default: a Kimi-size draft is ~9 GB in fp32, and vLLM casts to its dtype on load.
         export_draft(draft.to(EXPORT_TORCH_DTYPES[config.export_dtype]), out / EXPORT, extra=info)
@@ -49,7 +50,7 @@ def export(trainer, identity: dict) -> dict:
             cut=plan.cut, export_dtype=config.export_dtype,
             split={"rule": SPLIT.replace("heldout_fraction", "val_fraction"), "val_fraction": config.val_fraction,
                    "val_ids": sorted(plan.val)},
-            best=best, final_val=(read_metrics(out).get("val") or [None])[-1],
+            recipe=trainer.length, best=best, final_val=(read_metrics(out).get("val") or [None])[-1],
             target=describe_target(trainer.inp.target_cfg, config.target),
             tokenizer=trainer.inp.store.manifest.get("tokenizer"), layer_ids=trainer.inp.aux_ids,
             draft={"arch": resolve_arch(config.draft_arch, trainer.inp.target_cfg), "hidden_size": draft.config.transformer_layer_config.hidden_size,

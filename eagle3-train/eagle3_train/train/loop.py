@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,17 +19,20 @@ from pathlib import Path
 
 import torch
 
-from ..configs.train import CKPT_DIR, EXPORT, STAGE, TrainConfig
+from ..budget import choose_length, parse_budget
+from ..configs.train import CKPT_DIR, EXPORT, SCHEDULE, STAGE, TrainConfig
 from ..draft import lr_lambda
 from ..manifest import MANIFEST, read_manifest
 from ..progress import Progress
+from ..store import atomic_write_json
 from .checkpoint import Checkpointer
-from .data import Loader, make_plan
+from .data import Loader, make_plan, shifted
 from .dist import Dist, setup_dist
 from .inputs import Inputs, input_identity, open_inputs
 from .metrics import Meter, Recorder
 from .model import build_model, draft_arch
 from .objective import batch_metrics, combine, prepare
+from .recipe import build_optimizers, time_steps
 
 
 def run(config: TrainConfig, *, on_step: Callable[[int], None] | None = None) -> dict:
@@ -75,18 +79,60 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, d: Dist, inp: Inputs, out: Path):
         self.config, self.d, self.inp, self.out = config, d, inp, out
-        self.plan = make_plan(inp.store, config, d.world * config.grad_accum)
-        self.total_steps = min(config.max_steps or self.plan.total_steps, self.plan.total_steps)
+        per_step = d.world * config.grad_accum
+        first = make_plan(inp.store, config, per_step, epochs=1)  # one epoch's steps decide how many
         self.model = build_model(config, inp, d)
-        self.optimizer = torch.optim.AdamW(self.model.parameters, lr=config.lr, betas=(config.beta1, config.beta2),
-                                           weight_decay=config.weight_decay, eps=1e-8, fused=d.cuda or None)
+        self.optimizers = build_optimizers(config, self.model.objective, d.cuda)
+        self.loader = Loader(inp.store, first, config, inp.aux_index, d.rank, d.world, self.model.kernels["attn"])
+        self.length = self.choose_length(first)
+        self.plan = first if self.length["epochs"] == 1 else make_plan(inp.store, config, per_step,
+                                                                       epochs=self.length["epochs"])
+        self.loader.plan = self.plan
+        self.total_steps = min(self.length["total_steps"], self.plan.total_steps)
         warmup = config.warmup_steps if config.warmup_steps is not None else int(config.warmup_ratio * self.total_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(
-            lr_lambda, warmup=warmup, total=self.total_steps, schedule=config.schedule, min_ratio=config.min_lr_ratio))
-        self.loader = Loader(inp.store, self.plan, config, inp.aux_index, d.rank, d.world, self.model.kernels["attn"])
+        rule = functools.partial(lr_lambda, warmup=warmup, total=self.total_steps, schedule=config.schedule,
+                                 min_ratio=config.min_lr_ratio)
+        # One schedule per optimizer: each group's lr follows the same curve from its own base.
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, rule) for o in self.optimizers]
         self.checkpointer = Checkpointer(out, d, interval=config.save_every, keep_last=config.keep_last)
         self.best = {"step": None, "acceptance_length": None}  # by validation acceptance
         self.step = 0
+
+    def choose_length(self, first) -> dict:
+        """Epochs and steps (budget.choose_length), kept in schedule.json so a resume keeps them
+        (a time budget's pace is measured once, on the first run)."""
+        path, config = self.out / SCHEDULE, self.config
+        if path.exists():
+            return json.loads(path.read_text())
+        budget = parse_budget(config.budget)
+        pace = None
+        if budget is not None and budget.kind == "time":
+            pace = self.calibrate(first)
+        tokens = sum(shifted(first.lengths[i], config.max_sample_tokens) for i in first.train)
+        length = choose_length(epochs=config.epochs, budget=budget, max_steps=config.max_steps,
+                               steps_per_epoch=first.steps_in(0), tokens_per_epoch=tokens, seconds_per_step=pace)
+        length |= {"steps_per_epoch": first.steps_in(0), "train_tokens_per_epoch": tokens,
+                   "optimizer": config.optimizer, "lr": config.lr, "schedule": config.schedule,
+                   "ttt_steps": config.ttt_steps, "norm_before_fc": config.norm_before_fc, "loss": config.loss}
+        if pace is not None:
+            length["seconds_per_step"] = pace
+        if self.d.main:
+            atomic_write_json(path, length)
+        self.d.barrier()
+        return json.loads(path.read_text()) if path.exists() else length
+
+    def calibrate(self, first, n: int = 3) -> float:
+        """Seconds per training step, over `n` forward + backward passes after a warm-up one (no
+        optimizer step: nothing is trained); the slowest rank's."""
+        def one(i):
+            self.forward_backward(self.loader.step(i % first.steps_in(0)))
+            for o in self.optimizers:
+                o.zero_grad(set_to_none=True)
+
+        pace = torch.tensor(time_steps(one, n), dtype=torch.float64, device=self.d.device)
+        if self.d.world > 1:
+            torch.distributed.all_reduce(pace, op=torch.distributed.ReduceOp.MAX)
+        return float(pace)
 
     def train(self, on_step: Callable[[int], None] | None = None) -> None:
         config, d, total_steps = self.config, self.d, self.total_steps
@@ -128,11 +174,12 @@ class Trainer:
 
     def resume(self) -> dict | None:
         """Load the last checkpoint, if any (its meter sums returned); else seed a fresh run."""
-        state = self.checkpointer.load(self.model.objective, self.optimizer)
+        state = self.checkpointer.load(self.model.objective, self.optimizers, self.config.optimizer)
         if state is None:
             torch.manual_seed(self.config.seed)
             return None
-        self.scheduler.load_state_dict(state["scheduler"])
+        for sched, sd in zip(self.schedulers, state.get("schedulers") or [state["scheduler"]], strict=True):
+            sched.load_state_dict(sd)
         self.step, self.best = state["step"], state["best"]
         if state.get("per_step") != self.plan.per_step and self.d.main:
             print(f"note: {self.checkpointer.resumed_from.name} was made with {state.get('per_step')} batches "
@@ -143,8 +190,19 @@ class Trainer:
     def train_step(self, micro_batches: list) -> tuple[float, dict, float, float]:
         """One optimizer step over this process's micro-batches (gradients averaged over them,
         and over processes by DDP/FSDP): (mean loss, metrics, gradient norm, the lr it used)."""
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
+        loss, metrics = self.forward_backward(micro_batches)
+        grad_norm = clip_grad_norm(self.model.parameters, self.config.grad_clip)
+        lr = self.schedulers[0].get_last_lr()[0]
+        for o, sched in zip(self.optimizers, self.schedulers, strict=True):
+            o.step()
+            sched.step()
+        return loss, metrics, grad_norm, lr
+
+    def forward_backward(self, micro_batches: list) -> tuple[float, dict]:
+        """Gradients of one step's micro-batches (averaged): (mean loss, metrics)."""
         model, d = self.model, self.d
-        self.optimizer.zero_grad(set_to_none=True)
         loss, parts = 0.0, []
         for i, batch in enumerate(micro_batches):
             # Targets from the frozen head outside the wrapped model: DDP never broadcasts it.
@@ -155,11 +213,7 @@ class Trainer:
                 (batch_loss / len(micro_batches)).backward()
             loss += float(batch_loss.detach()) / len(micro_batches)
             parts.append(batch_metrics(batch, draft_tokens, metrics, model.to_target))
-        grad_norm = clip_grad_norm(model.parameters, self.config.grad_clip)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        return loss, combine(parts), grad_norm, lr
+        return loss, combine(parts)
 
     def validate(self) -> dict | None:
         """Over this rank's share of the fixed validation batches, summed over ranks. Every rank
@@ -190,11 +244,12 @@ class Trainer:
             self.best = {"step": self.step, "acceptance_length": val["acceptance_length"], "loss": val["loss"]}
         epoch, in_epoch = self.plan.locate(self.step)
         position = {"epoch": epoch, "batches_in_epoch": in_epoch * self.plan.per_step}
-        state = {"step": self.step, "best": self.best, "scheduler": self.scheduler.state_dict(), "meter": meter.s,
+        state = {"step": self.step, "best": self.best, "schedulers": [s.state_dict() for s in self.schedulers],
+                 "optimizer": self.config.optimizer, "meter": meter.s,
                  "per_step": self.plan.per_step, **position}
         summary = {"step": self.step, **position, "total_steps": self.total_steps, "val": val, "best": self.best,
                    "world_size": self.d.world, "time": time.time()}
-        path = self.checkpointer.save(self.step, self.model.objective, self.optimizer, state, summary,
+        path = self.checkpointer.save(self.step, self.model.objective, self.optimizers, state, summary,
                                       {self.best["step"]} if self.best["step"] else set())
         self.recorder.checkpoint(self.step, path, val)
 
@@ -212,11 +267,15 @@ class Trainer:
         print(f"{STAGE}: {len(plan.train)} train / {len(plan.val)} val samples ({plan.dropped} too short, "
               f"{cut['own_batch']} longer than --max-tokens-per-batch {self.config.max_tokens_per_batch} in a "
               f"batch of their own, longest {cut['longest']:,} tokens), {plan.steps_in(0)} steps/epoch x "
-              f"{self.config.epochs} epochs -> {self.total_steps} steps; "
+              f"{self.length['epochs']} epochs -> {self.total_steps} steps; "
               f"{sum(p.numel() for p in model.parameters):,} trainable parameters; device {self.d.device} "
               f"x{self.d.world}; attention {model.kernels['attn']}, loss {model.kernels['loss_impl']}; "
               f"{'top-k' if self.inp.topk else 'hidden-state'} targets"
               + (f"; resuming at step {self.step}" if self.step else ""))
+        c = self.config
+        print(f"{STAGE}: recipe: {self.total_steps} steps over {self.length['epochs']} epochs "
+              f"({self.length['why']}); {c.optimizer} lr {c.lr:g} {c.schedule}, TTT {c.ttt_steps}, "
+              f"loss {c.loss}, norm_before_fc {'on' if c.norm_before_fc else 'off'}", flush=True)
 
 
 def better(val: dict, best: dict) -> bool:

@@ -43,7 +43,7 @@ def make_draft(config: TrainConfig, inp: Inputs, weights: dict, attn: str = "sdp
                          weights=weights, arch=arch, hidden_size=config.draft_hidden_size,
                          intermediate_size=config.draft_intermediate_size, num_layers=config.draft_layers,
                          num_heads=config.draft_heads, num_kv_heads=config.draft_kv_heads,
-                         norm_before_residual=config.norm_before_residual,
+                         norm_before_residual=config.norm_before_residual, norm_before_fc=config.norm_before_fc,
                          speculative_tokens=config.num_speculative_tokens,
                          train_embeddings=config.train_embeddings, train_lm_head=config.train_lm_head,
                          attn_impl=ATTN_IMPL[attn], seed=config.seed,
@@ -83,6 +83,6 @@ def build_model(config: TrainConfig, inp: Inputs, d: Dist) -> TrainModel:
         tgt2draft[draft_ids] = torch.arange(draft_ids.shape[0])
     del weights
     objective = Objective(draft, config.ttt_steps, config.step_weights, kernels["loss_impl"], inp.topk,
-                          tgt2draft).to(d.device)
+                          tgt2draft, loss=config.loss).to(d.device)
     to_target = D.draft_to_target(draft)
     return TrainModel(draft, head, objective, wrap(objective, config.distributed, d), kernels, to_target)

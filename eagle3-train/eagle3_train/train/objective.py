@@ -26,8 +26,9 @@ class Objective(nn.Module):
     (dense target logits, or the stored top-k renormalised over the draft vocab), per-step weights."""
 
     def __init__(self, draft, steps: int, weights: list[float], loss_impl: str, topk: bool,
-                 tgt2draft: torch.Tensor | None):
+                 tgt2draft: torch.Tensor | None, loss: str = "kl"):
         super().__init__()
+        self.loss = loss
         self.draft = draft
         self.steps = steps
         self.weights = weights
@@ -43,9 +44,13 @@ class Objective(nn.Module):
         self.kl = kl_div_loss
 
     def position_loss(self, logits: torch.Tensor, b: Batch, rows: torch.Tensor):
-        """Per-position forward KL [n] and which positions count [n] (top-k rows with no mass
-        inside the draft vocab do not)."""
+        """Per-position loss [n] and which positions count [n] (top-k rows with no mass inside the
+        draft vocab do not): forward KL, or (`ce`) cross-entropy on the target's most likely token
+        in the draft vocab."""
         if not self.topk:
+            if self.loss == "ce":
+                return (torch.nn.functional.cross_entropy(logits.float(), b.targets[rows].argmax(-1), reduction="none"),
+                        torch.ones_like(rows, dtype=torch.bool))
             return self.kl(logits[None], b.targets[rows][None])[0], torch.ones_like(rows, dtype=torch.bool)
         ids = b.topk_ids[rows]
         did = self.tgt2draft[ids] if self.tgt2draft is not None else ids
@@ -53,6 +58,11 @@ class Objective(nn.Module):
         p = torch.where(inside, b.topk_lp[rows].float().exp(), 0.0)
         mass = p.sum(-1, keepdim=True)
         p = p / mass.clamp_min(1e-12)
+        if self.loss == "ce":  # the top-k ids are sorted: the first inside the draft vocab is its most likely
+            first = torch.where(inside, torch.arange(ids.shape[-1], 0, -1, device=ids.device), 0).argmax(-1)
+            top = did.gather(-1, first[:, None]).squeeze(-1).clamp_min(0)
+            return (torch.nn.functional.cross_entropy(logits.float(), top, reduction="none"),
+                    mass.squeeze(-1) > 0)
         logq = torch.log_softmax(logits.float(), -1).gather(-1, did.clamp_min(0))
         ent = torch.where(p > 0, p * p.clamp_min(1e-30).log(), 0.0).sum(-1)
         return ent - (p * logq).sum(-1), mass.squeeze(-1) > 0
