@@ -37,7 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--target", type=Path, default=BENCH_TARGET, help=f"(default: {BENCH_TARGET})")
     p.add_argument("--prompts", type=int, default=2000, help="training prompts (default: 2000)")
     p.add_argument("--heldout", type=int, default=100, help="held-out prompts for 05 (default: 100)")
-    p.add_argument("--max-tokens", type=int, default=512, help="01b's max tokens per answer (default: 512)")
+    p.add_argument("--max-tokens", type=int, default=400,
+                   help="01b's max tokens per answer; the longest task needs ~320 (default: 400)")
     p.add_argument("--concurrency", type=int, default=64, help="01b's requests in flight (default: 64)")
     return p.parse_args(argv)
 

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3_train.bench_runs import AUX_LAYERS, BENCH_TARGET, complete, layout, run_stage
+from eagle3_train.bench_runs import BENCH_TARGET, complete, layout, run_stage
 from eagle3_train.config import EVALUATE as EVAL_STAGE
 from eagle3_train.config import TRAIN as TRAIN_STAGE
 from eagle3_train.errors import PipelineError, run_main
@@ -58,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--only", default=None, help="comma-separated arm names to run, in this order (default: all)")
     p.add_argument("--num-prompts", type=int, default=100, help="held-out prompts served (default: 100)")
     p.add_argument("--concurrency", type=int, default=16, help="05's requests in flight (default: 16)")
-    p.add_argument("--max-tokens", type=int, default=512, help="05's max tokens per answer (default: 512)")
+    p.add_argument("--max-tokens", type=int, default=400, help="05's max tokens per answer (default: 400)")
     p.add_argument("--val-fraction", type=float, default=0.05,
                    help="held-out share for speculators' validation rows, 04's default rule (default: 0.05)")
     return p.parse_args(argv)
@@ -87,7 +87,7 @@ def train_speculators(arm_dir: Path, d: dict, target: Path, flags: list[str], va
     ckpt = arm_dir / "checkpoints"
     cmd = [sys.executable, "-m", "eagle3_train.speculators_train", "--verifier-name-or-path", str(target),
            "--data-path", str(conv), "--save-path", str(ckpt), "--log-dir", str(arm_dir / "logs"),
-           "--target-layer-ids", *AUX_LAYERS.split(","), "--d2t-path", str(d2t), "--t2d-path", str(t2d),
+           "--target-layer-ids", *map(str, info["layer_ids"][:-1]), "--d2t-path", str(d2t), "--t2d-path", str(t2d),
            "--train-data-ratio", str(info["train_data_ratio"]), "--on-missing", "raise",
            # CPU: no Triton for the fused loss, no FlexAttention backward; one process for the data.
            "--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers", "0", *flags]
@@ -119,9 +119,20 @@ def train_ours(arm_dir: Path, d: dict, target: Path, flags: list[str]) -> Path:
 
 
 def val_al(arm_dir: Path) -> dict:
-    """04's own validation acceptance length at k = 3 (vLLM's count): the last and the best."""
+    """Validation acceptance length at k = 3, last and best: 04's own (vLLM's count); for the
+    speculators arm its own per-epoch validation, 1 + sum over TTT steps of full_acc (the share of
+    positions whose first s+1 draft tokens are all right)."""
     from eagle3_train.train.metrics import read_metrics
 
+    ckpt = arm_dir / "checkpoints"
+    if ckpt.exists():
+        series = []
+        for epoch in sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()):
+            path = ckpt / str(epoch) / "val_metrics.json"
+            if path.exists():
+                m = json.loads(path.read_text())
+                series.append(1 + sum(m.get(f"full_acc_{s}_epoch", 0.0) for s in range(K)))
+        return {"val_al_last": series[-1], "val_al_best": max(series)} if series else {}
     if not (arm_dir / "run").exists():
         return {}
     val = read_metrics(arm_dir / "run").get("val", [])

@@ -29,7 +29,7 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
                       log=print, examples=synthetic_examples, layers: int = 8, heads: int | None = None,
                       kv_heads: int = 1, intermediate: int | None = None, warmup: int = 100,
                       autocast: bool = False, save_dtype: str | None = None,
-                      check_max_new_tokens: int = 200) -> dict:
+                      check_max_new_tokens: int = 200, log_every: int = 50) -> dict:
     """`examples(n, seed)` gives the task (the tiny-reasoner's by default; the bench target's is
     eagle3_train.bench_tasks.bench_examples); the shape arguments default to the tiny-reasoner's.
     `autocast` runs forward/backward in bf16 (AMX on this CPU) with fp32 master weights."""
@@ -79,7 +79,7 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
         opt.step()
         losses.append(loss.item())
         bar.update(1, loss=round(losses[-1], 4))
-        if step % 50 == 0 or step == steps - 1:
+        if step % log_every == 0 or step == steps - 1:
             log(f"step {step}/{steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
     bar.close()
     model.to("cpu")
