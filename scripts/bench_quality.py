@@ -194,7 +194,7 @@ def table(rows: list[dict]) -> str:
     def fmt(x, spec):
         return format(x, spec) if isinstance(x, (int, float)) else "–"
 
-    lines = ["| arm | configuration | training wall (s) | val AL (04's, last / best) | vLLM AL (k = 3) "
+    lines = ["| arm | configuration | training wall (s) | val AL (own validation, last / best) | vLLM AL (k = 3) "
              "| wall / speculators | vLLM AL / speculators |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         cfg = f"{r['kind']} {r['flags']}".strip()
