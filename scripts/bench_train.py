@@ -64,28 +64,12 @@ def make_inputs(work: Path, target: Path, n: int) -> tuple[Path, Path]:
     return hs, vocab
 
 
-def speculators_data(work: Path, store) -> Path:
-    """The same samples in speculators' offline format: Arrow rows + hs_<row>.safetensors with
-    hidden_states [T, n_aux + 1, H] (aux layers, then the last layer) and token_ids [T]."""
-    import torch
-    from datasets import Dataset
-    from safetensors.torch import save_file
+def speculators_data(work: Path, hs: Path) -> Path:
+    """The same samples in speculators' offline format (eagle3_train.speculators_data), fp32, all training."""
+    from eagle3_train.speculators_data import convert_store
 
     out = work / "speculators-data"
-    if (out / "dataset_info.json").exists():
-        return out
-    (out / "hidden_states").mkdir(parents=True, exist_ok=True)
-    rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    for i, sid in enumerate(sorted(store.ids)):
-        s = store.get(sid)
-        save_file({"hidden_states": torch.cat([s.aux, s.last[:, None]], 1).contiguous(),
-                   "token_ids": s.input_ids.contiguous()}, str(out / "hidden_states" / f"hs_{i}.safetensors"))
-        rows["input_ids"].append(s.input_ids.tolist())
-        rows["loss_mask"].append(s.loss_mask.long().tolist())
-        rows["seq_len"].append(len(s.input_ids))
-    ds = Dataset.from_dict(rows)
-    ds.set_format("torch")
-    ds.save_to_disk(str(out))
+    convert_store(hs, out, val_fraction=0.0, dtype="float32", progress=False)
     return out
 
 
@@ -156,7 +140,6 @@ def main(argv=None) -> int:
     import torch
 
     from eagle3_train.fixtures import TINY_REASONER, random_target_dir
-    from eagle3_train.hidden_store import HiddenStates
 
     args = parse_args(argv)
     if args.threads:
@@ -166,7 +149,7 @@ def main(argv=None) -> int:
     work = args.workdir or Path(tmp.name)
     work.mkdir(parents=True, exist_ok=True)
     hs, vocab = make_inputs(work, target, args.samples)
-    data = speculators_data(work, HiddenStates(hs))
+    data = speculators_data(work, hs)
     results = []
     for k in range(args.rounds):
         spec = run_speculators(work, data, hs, vocab, target, args, k)

@@ -26,8 +26,16 @@ def _render(fmt, ex: dict) -> tuple[list[int], list[int]]:
 def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: float = 3e-3,
                       seed: int = 0, n_examples: int = 20000, device: str = "cpu",
                       tokenizer_dir: Path | None = None, hidden: int = 64, check_n: int = 30,
-                      log=print) -> dict:
+                      log=print, examples=synthetic_examples, layers: int = 8, heads: int | None = None,
+                      kv_heads: int = 1, intermediate: int | None = None, warmup: int = 100,
+                      autocast: bool = False, save_dtype: str | None = None,
+                      check_max_new_tokens: int = 200, log_every: int = 50) -> dict:
+    """`examples(n, seed)` gives the task (the tiny-reasoner's by default; the bench target's is
+    eagle3_train.bench_tasks.bench_examples); the shape arguments default to the tiny-reasoner's.
+    `autocast` runs forward/backward in bf16 (AMX on this CPU) with fp32 master weights."""
     import torch
+
+    from .progress import Progress
     from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -35,11 +43,11 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
     out_dir = Path(out_dir)
     tok_dir = out_dir / "_tokenizer"
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else build_tokenizer(tok_dir)
-    examples = synthetic_examples(n_examples, seed=1000 + seed)
     fmt = ChatFormat.from_tokenizer(tokenizer)
-    seqs = [_render(fmt, ex) for ex in examples]
+    seqs = [_render(fmt, ex) for ex in examples(n_examples, 1000 + seed)]
     # head_dim stays 32: vLLM's CPU attention kernels do not take 16.
-    cfg = llama_config(tokenizer, hidden=hidden, heads=hidden // 32, kv_heads=1, intermediate=4 * hidden)
+    cfg = llama_config(tokenizer, hidden=hidden, layers=layers, heads=heads or hidden // 32,
+                       kv_heads=kv_heads, intermediate=intermediate or 4 * hidden)
     model = LlamaForCausalLM(cfg).to(device)
     model.generation_config = GenerationConfig(
         bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id)
@@ -47,6 +55,7 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
     g = torch.Generator().manual_seed(seed)
     pad = cfg.pad_token_id
     t0, losses = time.time(), []
+    bar = Progress("target", steps, unit="step", every_s=60.0)
     for step in range(steps):
         idx = torch.randint(len(seqs), (batch,), generator=g).tolist()
         width = max(len(seqs[i][0]) for i in idx)
@@ -58,42 +67,54 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
             ids[r, : len(s)] = torch.tensor(s)
             attn[r, : len(s)] = 1
             labels[r, : len(s)] = torch.tensor([t if k else -100 for t, k in zip(s, m)])
-        warm = min(1.0, (step + 1) / 100)
+        warm = min(1.0, (step + 1) / warmup)
         for group in opt.param_groups:
             group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
-        loss = model(input_ids=ids.to(device), attention_mask=attn.to(device), labels=labels.to(device)).loss
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids.to(device), attention_mask=attn.to(device),
+                         labels=labels.to(device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
+        bar.update(1, loss=round(losses[-1], 4))
+        if step % log_every == 0 or step == steps - 1:
             log(f"step {step}/{steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
-    model.to("cpu").save_pretrained(out_dir)
+    bar.close()
+    model.to("cpu")
+    if save_dtype:
+        model.to(getattr(torch, save_dtype))
+        model.config.dtype = save_dtype
+    model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     stats = {"steps": steps, "batch": batch, "lr": lr, "seed": seed, "device": device,
+             "examples": f"{examples.__module__}.{examples.__name__}", "n_examples": n_examples,
+             "layers": layers, "hidden": hidden, "autocast_bf16": autocast, "saved_dtype": save_dtype,
              "torch": torch.__version__, "threads": torch.get_num_threads(), "final_loss": losses[-1],
              "train_seconds": round(time.time() - t0, 1),
              "params": sum(p.numel() for p in model.parameters())}
     if check_n:
-        stats.update(check_tiny_target(out_dir, n=check_n))
+        stats.update(check_tiny_target(out_dir, n=check_n, examples=examples,
+                                       max_new_tokens=check_max_new_tokens))
     (out_dir / "training_stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     import shutil
     shutil.rmtree(tok_dir, ignore_errors=True)
     return stats
 
 
-def check_tiny_target(model_dir: Path, n: int = 30, seed: int = 7, max_new_tokens: int = 200) -> dict:
+def check_tiny_target(model_dir: Path, n: int = 30, seed: int = 7, max_new_tokens: int = 200,
+                      examples=synthetic_examples) -> dict:
     """Greedy-generate on held-out questions: share that close </think> and stop at <|im_end|>."""
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     think_end = tokenizer.convert_tokens_to_ids("</think>")
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     closed = stopped = correct = 0
-    for ex in synthetic_examples(n, seed=seed):
+    for ex in examples(n, seed):
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": ex["question"]}], add_generation_prompt=True,
             tokenize=True, return_dict=False)
