@@ -67,15 +67,17 @@ def measure(trainer) -> dict:
     tokens = int(batch.ids.shape[1])  # S, padded: what the step's tensors are sized by
     batch = prepare(batch.to(d.device, d.dtype), model.head, trainer.config.ttt_steps)
     exclude |= {v.untyped_storage().data_ptr() for v in vars(batch).values() if isinstance(v, torch.Tensor)}
-    trainer.optimizer.zero_grad(set_to_none=True)
+    for o in trainer.optimizers:
+        o.zero_grad(set_to_none=True)
     model.objective.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), d.autocast():
         _, loss, _ = model.wrapped(batch)
     activations = sum(saved.values())
     loss.backward()
-    trainer.optimizer.step()
-    states = [v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
-              and v.dim() > 0]
+    for o in trainer.optimizers:
+        o.step()
+    states = [v for o in trainer.optimizers for s in o.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor) and v.dim() > 0]
     return {"weights": nbytes(model.objective.draft.parameters()),
             "grads_and_adam": nbytes(p.grad for p in model.parameters) + nbytes(states),
             # the head's buffers and the targets it made for this batch (the plan counts both there)
@@ -105,7 +107,8 @@ def compare(cfg) -> tuple[dict, object]:
                           draft_vocab_size=int(inp.mapping.d2t.shape[0]), max_tokens_per_batch=got["tokens"],
                           ttt_steps=cfg.ttt_steps, attn=trainer.model.kernels["attn"],
                           act_bytes=2 if d.dtype in (torch.bfloat16, torch.float16) else 4,
-                          train_lm_head=cfg.train_lm_head, train_embeddings=cfg.train_embeddings)
+                          train_lm_head=cfg.train_lm_head, train_embeddings=cfg.train_embeddings,
+                          optimizer=cfg.optimizer)
     plan = planner.train_memory(shape, flags)
     rows = {k: {"planned": plan[k], "measured": got[k], "ratio": plan[k] / got[k] if got[k] else None} for k in PARTS}
     return rows, flags
