@@ -102,7 +102,11 @@ class Trainer:
         """Epochs and steps (budget.choose_length), kept in schedule.json so a resume keeps them
         (a time budget's pace is measured once, on the first run)."""
         path, config = self.out / SCHEDULE, self.config
-        if path.exists():
+        existed = path.exists()
+        # every rank looks before rank 0 may write: a slower rank that found the new file would skip
+        # the barrier below, and rank 0 would wait there for ever
+        self.d.barrier()
+        if existed:
             return json.loads(path.read_text())
         budget = parse_budget(config.budget)
         pace = None
