@@ -32,7 +32,7 @@ from eagle3_train.errors import PipelineError, run_main
 from eagle3_train.fixtures import REPO_ROOT, kimi_twin_dir, tiny_reasoner_dir
 from eagle3_train.generate import STAGE as GEN_STAGE
 from eagle3_train.hidden_store import STAGE as STORE_STAGE
-from eagle3_train.manifest import read_manifest
+from eagle3_train.manifest import is_complete as complete
 from eagle3_train.store import atomic_write_text
 from eagle3_train.tiny import write_prompt_file
 from eagle3_train.vllm_server import die_with_parent
@@ -79,14 +79,6 @@ def run(cmd: list, log: Path, *, ok=(0,)) -> int:
         raise PipelineError(f"{Path(cmd[1]).name} exited with {rc}; fix the cause and rerun the demo "
                             "(finished work is kept)")
     return rc
-
-
-def complete(directory: Path, stage: str) -> bool:
-    try:
-        read_manifest(directory, stage)
-        return True
-    except PipelineError:
-        return False
 
 
 def write_prompts(path: Path, n: int, seed: int) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .errors import PipelineError
 from .fixtures import REPO_ROOT
-from .manifest import read_manifest
+from .manifest import is_complete as complete  # noqa: F401 -- the bench scripts import it from here
 from .vllm_server import die_with_parent
 
 STAGES = REPO_ROOT / "eagle3-train"
@@ -26,14 +26,6 @@ def layout(root: Path) -> dict[str, Path]:
             "heldout": root / "prompts" / "heldout.jsonl", "gen": root / "01b",
             "tokenized": root / "01b" / "tokenized", "hidden": root / "02", "vocab": root / "03",
             "summary": root / "data.json"}
-
-
-def complete(directory: Path, stage: str) -> bool:
-    try:
-        read_manifest(directory, stage)
-        return True
-    except PipelineError:
-        return False
 
 
 def run_stage(script: str, args: list, log: Path, *, ok=(0,)) -> int:

@@ -115,6 +115,15 @@ def read_manifest(directory: Path, stage: str | None = None) -> dict:
 VOLATILE_KEYS = ("created", "command", "git_sha", "pid")
 
 
+def is_complete(directory: Path, stage: str) -> bool:
+    """Whether `directory` holds a finished `stage` output (its manifest written and readable)."""
+    try:
+        read_manifest(directory, stage)
+        return True
+    except PipelineError:
+        return False
+
+
 def manifest_identity(directory: Path, stage: str | None = None) -> str:
     """What a stage's output *is*, for the stage that consumes it: its complete manifest without
     when/how it was written, so an identical rerun of a stage does not look like a new input."""
