@@ -49,7 +49,8 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
     seqs = [_render(fmt, ex) for ex in examples(n_examples, 1000 + seed)]
     # head_dim stays 32: vLLM's CPU attention kernels do not take 16.
     if arch == "deepseek_v3":
-        cfg = deepseek_v3_config(tokenizer, hidden=hidden, layers=layers)
+        # head_dim 32: AMX_MLA, which 05 needs once an MLA draft rides along, does not take 16.
+        cfg = deepseek_v3_config(tokenizer, hidden=hidden, layers=layers, head_dim=32)
     else:
         cfg = llama_config(tokenizer, hidden=hidden, layers=layers, heads=heads or hidden // 32,
                            kv_heads=kv_heads, intermediate=intermediate or 4 * hidden)
