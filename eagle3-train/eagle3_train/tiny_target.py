@@ -11,7 +11,7 @@ import math
 import time
 from pathlib import Path
 
-from .tiny import build_tokenizer, llama_config, synthetic_examples
+from .tiny import build_tokenizer, deepseek_v3_config, llama_config, randomize_router_bias, synthetic_examples
 from .tokenization import ChatFormat, tokenize_sample
 
 
@@ -29,14 +29,16 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
                       log=print, examples=synthetic_examples, layers: int = 8, heads: int | None = None,
                       kv_heads: int = 1, intermediate: int | None = None, warmup: int = 100,
                       autocast: bool = False, save_dtype: str | None = None,
-                      check_max_new_tokens: int = 200, log_every: int = 50) -> dict:
+                      check_max_new_tokens: int = 200, log_every: int = 50, arch: str = "llama") -> dict:
     """`examples(n, seed)` gives the task (the tiny-reasoner's by default; the bench target's is
     eagle3_train.bench_tasks.bench_examples); the shape arguments default to the tiny-reasoner's.
+    `arch` "deepseek_v3" trains tiny.deepseek_v3_config (MLA + MoE) instead; it takes only `hidden`
+    and `layers` of the shape arguments.
     `autocast` runs forward/backward in bf16 (AMX on this CPU) with fp32 master weights."""
     import torch
 
     from .progress import Progress
-    from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -46,9 +48,15 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
     fmt = ChatFormat.from_tokenizer(tokenizer)
     seqs = [_render(fmt, ex) for ex in examples(n_examples, 1000 + seed)]
     # head_dim stays 32: vLLM's CPU attention kernels do not take 16.
-    cfg = llama_config(tokenizer, hidden=hidden, layers=layers, heads=heads or hidden // 32,
-                       kv_heads=kv_heads, intermediate=intermediate or 4 * hidden)
-    model = LlamaForCausalLM(cfg).to(device)
+    if arch == "deepseek_v3":
+        # head_dim 32: AMX_MLA, which 05 needs once an MLA draft rides along, does not take 16.
+        cfg = deepseek_v3_config(tokenizer, hidden=hidden, layers=layers, head_dim=32)
+    else:
+        cfg = llama_config(tokenizer, hidden=hidden, layers=layers, heads=heads or hidden // 32,
+                           kv_heads=kv_heads, intermediate=intermediate or 4 * hidden)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    randomize_router_bias(model, seed)  # DeepSeek-V3 only: fixed, not learnt (updated outside backprop)
+    model.to(device)
     model.generation_config = GenerationConfig(
         bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -90,7 +98,7 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
     tokenizer.save_pretrained(out_dir)
     stats = {"steps": steps, "batch": batch, "lr": lr, "seed": seed, "device": device,
              "examples": f"{examples.__module__}.{examples.__name__}", "n_examples": n_examples,
-             "layers": layers, "hidden": hidden, "autocast_bf16": autocast, "saved_dtype": save_dtype,
+             "arch": arch, "layers": layers, "hidden": hidden, "autocast_bf16": autocast, "saved_dtype": save_dtype,
              "torch": torch.__version__, "threads": torch.get_num_threads(), "final_loss": losses[-1],
              "train_seconds": round(time.time() - t0, 1),
              "params": sum(p.numel() for p in model.parameters())}
@@ -107,10 +115,10 @@ def check_tiny_target(model_dir: Path, n: int = 30, seed: int = 7, max_new_token
                       examples=synthetic_examples) -> dict:
     """Greedy-generate on held-out questions: share that close </think> and stop at <|im_end|>."""
     import torch
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     think_end = tokenizer.convert_tokens_to_ids("</think>")
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     closed = stopped = correct = 0
