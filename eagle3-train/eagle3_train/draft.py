@@ -182,6 +182,18 @@ def use_compiled_flex() -> None:
         sa._eagle3_train_compiled = True
 
 
+def copy_target_rows(model, weights: dict | None, t2d) -> bool:
+    """The target's embed_tokens and its lm_head rows for the draft vocab into `model`; False
+    (nothing copied) without target weights."""
+    if weights is None:
+        return False
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(weights["embed"].float())
+        head = weights["lm_head"].float()
+        model.lm_head.weight.copy_(head[t2d.bool()] if model.use_draft_vocab else head)
+    return True
+
+
 def build_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t: torch.Tensor | None,
                 t2d: torch.Tensor | None, weights: dict | None, arch: str = "llama",
                 hidden_size: int | None = None, intermediate_size: int | None = None, num_layers: int = 1,
@@ -232,15 +244,11 @@ def build_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t: torch
             model.input_norm = type(model.input_norm)(n_aux * tc.hidden_size, eps=lc.rms_norm_eps)
     if d2t is not None and draft_vocab != vocab:
         model.load_vocab_mappings(t2d.bool(), d2t.long())
-    with torch.no_grad():
-        if wide and weights is not None:
-            model.embed_tokens.weight.copy_(weights["embed"].float())
-            head = weights["lm_head"].float()
-            model.lm_head.weight.copy_(head[t2d.bool()] if model.use_draft_vocab else head)
-        else:
+    if not copy_target_rows(model, weights if wide else None, t2d):
+        with torch.no_grad():
             nn.init.normal_(model.embed_tokens.weight, std=init_std)
             nn.init.normal_(model.lm_head.weight, std=init_std)
-            train_embeddings = train_lm_head = True
+        train_embeddings = train_lm_head = True
     # The training targets come from our own TargetHead; the model's copies are never used.
     model.verifier_lm_head = None
     model.verifier_norm = None

@@ -252,14 +252,12 @@ def build_mla_draft(target, target_cfg, *, aux_layer_ids, d2t, t2d, weights, hid
     if model.use_draft_vocab:
         model.load_vocab_mappings(t2d, d2t)
     wide = lc.hidden_size == tc.hidden_size
-    with torch.no_grad():
-        if wide and weights is not None:
-            model.embed_tokens.weight.copy_(weights["embed"].float())
-            head = weights["lm_head"].float()
-            model.lm_head.weight.copy_(head[t2d.bool()] if model.use_draft_vocab else head)
-        else:
+    from .draft import copy_target_rows
+
+    if not copy_target_rows(model, weights if wide else None, t2d):
+        with torch.no_grad():
             nn.init.normal_(model.embed_tokens.weight, std=init_std)
-            train_embeddings = train_lm_head = True
+        train_embeddings = train_lm_head = True
     model.embed_tokens.weight.requires_grad_(train_embeddings)
     model.lm_head.weight.requires_grad_(train_lm_head)
     config.embed_requires_grad = train_embeddings
