@@ -103,3 +103,22 @@ def test_a_sweep_passes_a_resumable_stage_and_fails_a_careless_one(careful, tmp_
         with pytest.raises(AssertionError, match="duplicate id"):
             crash_trial(spec, tmp_path / "trial", moments(0, 1, ref, mix=(0.0, 1.0, 0.0), byte_range=(0.2, 0.8),
                                                           max_delay_s=0.0)[0], ref.view)
+
+
+def test_a_time_kill_that_finds_the_run_finished_is_drawn_again_earlier(tmp_path):
+    """The working window is timed on the reference (the cold first run); a warmer trial can end
+    before the drawn moment. Such a trial is retried at half the delay instead of failing the
+    sweep with 'too few kills', and without retries it does fail that way."""
+    script = tmp_path / "toy.py"
+    script.write_text(TOY)
+    spec = StageSpec(str(script), argv=lambda out: [out, "careful"], view=lambda out: tree_view(out))
+    ref_out = tmp_path / "ref"
+    assert spec.run(ref_out).rc == 0
+    # The toy works ~0.4 s; a reference that claims 2.4 s puts the kill (at 100 % of the window) long after.
+    ref = Reference(ref_out, spec.view(ref_out), final_bytes=(ref_out / "data.jsonl").stat().st_size,
+                    startup_s=0.0, work_s=2.4)
+    kw = dict(seed=0, n=1, mix=(0.0, 0.0, 1.0), window_range=(1.0, 1.0), double_share=0.0)
+    with pytest.raises(AssertionError, match="too few kills"):
+        sweep(spec, tmp_path / "no-retry", ref, retries=0, **kw)
+    trials = sweep(spec, tmp_path / "retry", ref, retries=4, **kw)
+    assert trials[0].mid_run == 1 and trials[0].moment.delay_s < 0.4

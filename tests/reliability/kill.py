@@ -242,15 +242,25 @@ def reference_from(spec: StageSpec, out: Path) -> Reference:
 
 
 def sweep(spec: StageSpec, root: Path, ref: Reference, *, seed: int, n: int, on_killed=None, rerun=None,
-          min_mid_run: float = 0.5, **moment_kw) -> list[Trial]:
+          min_mid_run: float = 0.5, retries: int = 2, **moment_kw) -> list[Trial]:
     """`n` crash trials at seeded moments, each in its own directory under `root`, each required
     to end equal to `ref`. Every trial runs (a failure does not hide the others' results); then it
     fails on any failed trial, or if too few kills hit the stage mid-run (it would prove nothing)."""
     trials, failed = [], []
     for m in moments(seed, n, ref, **moment_kw):
         try:
-            trials.append(crash_trial(spec, Path(root) / f"trial-{m.index:02d}", m, ref.view,
-                                      on_killed=on_killed, rerun=rerun))
+            trial = crash_trial(spec, Path(root) / f"trial-{m.index:02d}", m, ref.view,
+                                on_killed=on_killed, rerun=rerun)
+            # A time in the working window is measured on the reference, the first (cold) run; a
+            # warm trial can finish before it. Such a kill proves nothing, so it is drawn again
+            # earlier (half the delay), in a fresh directory, up to `retries` times.
+            for r in range(retries):
+                if trial.mid_run or m.after_bytes != -1:
+                    break
+                m = dataclasses.replace(m, delay_s=round(m.delay_s / 2, 3))
+                trial = crash_trial(spec, Path(root) / f"trial-{m.index:02d}-earlier-{r + 1}", m, ref.view,
+                                    on_killed=on_killed, rerun=rerun)
+            trials.append(trial)
         except AssertionError as e:
             failed.append((m, str(e).splitlines()[0][:600]))
     hits = sum(t.mid_run for t in trials)
