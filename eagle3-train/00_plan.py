@@ -54,8 +54,11 @@ def parse_args(argv=None):
     p.add_argument("--n-aux", type=int, default=3, help="auxiliary layers (default: 3)")
     p.add_argument("--draft-vocab-size", type=int, default=32000, help="03's draft vocabulary (default: 32000)")
     p.add_argument("--max-tokens-per-batch", type=int, default=4096, help="04's batch (default: 4096)")
-    p.add_argument("--ttt-steps", type=int, default=7, help="04's TTT steps (default: 7)")
-    p.add_argument("--epochs", type=int, default=1, help="04's epochs (default: 1)")
+    p.add_argument("--ttt-steps", type=int, default=3, help="04's TTT steps (default: 3)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="04's epochs (default: 04's rule, the fewest that reach 1,000 steps, at most 10)")
+    p.add_argument("--draft-arch", default="auto", choices=("auto", "llama", "mla"),
+                   help="04's --draft-arch (default: auto, the MLA layer for an MLA target)")
     p.add_argument("--attn", default="flex", choices=("flex", "sdpa", "eager"), help="04's attention (default: flex)")
     p.add_argument("--train-embeddings", action="store_true", help="04 trains embed_tokens (default: frozen)")
     p.add_argument("--train-lm-head", action="store_true", help="04 trains lm_head (default: frozen)")
@@ -76,7 +79,8 @@ def main(argv=None) -> int:
         samples, per_sample, measured = measure_data(a.data)
     flags = Flags(samples=samples, tokens_per_sample=per_sample, storage=a.storage, topk=a.topk, n_aux=a.n_aux,
                   draft_vocab_size=a.draft_vocab_size, max_tokens_per_batch=a.max_tokens_per_batch,
-                  ttt_steps=a.ttt_steps, epochs=a.epochs, attn=a.attn, train_embeddings=a.train_embeddings,
+                  ttt_steps=a.ttt_steps, epochs=a.epochs, draft_arch=a.draft_arch, attn=a.attn,
+                  train_embeddings=a.train_embeddings,
                   train_lm_head=a.train_lm_head, gpus=a.gpus, gpu_memory_gb=a.gpu_memory_gb,
                   tokenized_bytes=measured,
                   rates={s: getattr(a, f"rate_{s}") for s in ("01b", "02", "04", "05")})

@@ -108,7 +108,7 @@ def compare(cfg) -> tuple[dict, object]:
                           ttt_steps=cfg.ttt_steps, attn=trainer.model.kernels["attn"],
                           act_bytes=2 if d.dtype in (torch.bfloat16, torch.float16) else 4,
                           train_lm_head=cfg.train_lm_head, train_embeddings=cfg.train_embeddings,
-                          optimizer=cfg.optimizer)
+                          optimizer=cfg.optimizer, draft_arch=cfg.draft_arch)
     plan = planner.train_memory(shape, flags)
     rows = {k: {"planned": plan[k], "measured": got[k], "ratio": plan[k] / got[k] if got[k] else None} for k in PARTS}
     return rows, flags

@@ -96,6 +96,62 @@ def test_04_memory_matches_the_plan(tmp_path, trained, extra):
         assert within(rows[part]["planned"], rows[part]["measured"]), (part, rows[part], flags)
 
 
+@pytest.fixture(scope="module")
+def mla_inputs(tmp_path_factory, deepseek_target_dir):
+    return train_inputs(tmp_path_factory.mktemp("plan04mla"), deepseek_target_dir, n=16, shard_size=8,
+                        draft_vocab_size=96)
+
+
+@pytest.mark.parametrize("extra", [(), ("--max-tokens-per-batch", "512", "--ttt-steps", "5")])
+def test_04_memory_of_the_mla_draft_matches_the_plan(tmp_path, mla_inputs, extra):
+    """The MLA layer keeps more per TTT step than the Llama one (each step expands the whole latent
+    cache again through kv_b, and dense attention keeps scores over it): the plan follows."""
+    memory = load_module(Path(__file__).parents[1] / "scripts" / "bench_train_memory.py")
+    rows, flags = memory.compare(load_script("04_train").parse_args(inputs_argv(mla_inputs, tmp_path / "r", *extra)))
+    print({k: round(r["ratio"], 3) for k, r in rows.items()})
+    assert flags.draft_arch == "auto" and planner.is_mla(shape_of(mla_inputs["target"]), flags)
+    for part in ("weights", "grads_and_adam", "activations", "total"):
+        assert within(rows[part]["planned"], rows[part]["measured"]), (part, rows[part], flags)
+
+
+def test_mla_draft_parameters_are_counted_exactly(tmp_path, mla_inputs):
+    from safetensors import safe_open
+
+    out = tmp_path / "run"
+    run(load_script("04_train").parse_args(inputs_argv(mla_inputs, out, "--max-steps", "1")))
+    with safe_open(str(out / "export" / "model.safetensors"), "pt") as f:
+        exported = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys() if k not in ("d2t", "t2d"))
+    flags = planner.Flags(samples=16, tokens_per_sample=100, draft_vocab_size=96, n_aux=3)
+    assert sum(planner.draft_params(shape_of(mla_inputs["target"]), flags).values()) == exported
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def test_the_plan_builds_the_draft_04_builds_for_kimi(tmp_path):
+    """auto is the MLA layer for Kimi-K2.5 (smaller than a Llama layer at its width); mla on a
+    target without MLA is refused in one line, as 04 refuses it."""
+    cfg = json.loads((Path(__file__).parents[1] / "docs" / "kimi-k2.5-text-config.json").read_text())
+    kimi = planner.Shape.from_config(cfg)
+    flags = dict(samples=100000, tokens_per_sample=10000)
+    auto, llama = planner.Flags(**flags), planner.Flags(**flags, draft_arch="llama")
+    assert kimi.mla and planner.is_mla(kimi, auto) and not planner.is_mla(kimi, llama)
+    assert 500e6 < planner.layer_params(kimi, auto) < planner.layer_params(kimi, llama)
+    p = planner.plan(kimi, auto)["stages"]["04"]
+    assert p["draft"] == "mla" and p["epochs"] == 1 and p["steps"] == 30518  # 1e9 tokens / (4096 x 8 GPUs)
+    small = planner.plan(kimi, planner.Flags(samples=2000, tokens_per_sample=240, gpus=1))["stages"]["04"]
+    assert small["epochs"] == 9 and small["steps"] >= 1000  # 04's rule: the fewest epochs to 1,000 steps
+    from eagle3_train.errors import PipelineError
+
+    llama_shape = planner.Shape(layers=2, hidden=64, vocab=500, heads=4, kv_heads=2, head_dim=16, intermediate=128)
+    with pytest.raises(PipelineError, match="multi-head latent attention"):
+        planner.layer_params(llama_shape, planner.Flags(**flags, draft_arch="mla"))
+
+
 def test_dry_runs_print_the_plan_and_write_nothing(tmp_path, trained, k25_tokenizer_dir, llama_target_dir, capsys):
     data = make_training_set(tmp_path / "tok", k25_tokenizer_dir, n=4, seed=6)
     assert load_script("02_extract_hidden_states").main(

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from .budget import auto_epochs
+from .errors import PipelineError
 from .hidden_store import bytes_per_token
 
 GB = 1e9
@@ -21,7 +23,7 @@ RAW_BYTES_PER_TOKEN = 4.5  # 01b JSONL: text of a BPE token (~4 chars) plus JSON
 RATES = {
     "01b": (8.0 * 1000, "assumed: 8 servers x ~1,000 output tok/s of 8K-token reasoning"),
     "02": (3165.0, "measured: the original Kimi-K2.5 run's vLLM extraction (828 GB written)"),
-    "04": (40000.0, "assumed: 8 GPUs x ~5,000 tok/s for a one-layer draft at TTT 7"),
+    "04": (40000.0, "assumed: 8 GPUs x ~5,000 tok/s for a one-layer draft at TTT 3"),
     "05": (5000.0, "assumed"),
 }
 
@@ -36,15 +38,22 @@ class Shape:
     kv_heads: int
     head_dim: int
     intermediate: int
+    mla: dict | None = None  # the MLA dims (draft_mla.MLA_DIMS) of a DeepSeek-V3 / Kimi target
 
     @classmethod
     def from_config(cls, tc) -> Shape:
         """From a transformers config (or any object with the same attributes: the text config)."""
         g = (lambda k, d=None: tc.get(k, d)) if isinstance(tc, dict) else (lambda k, d=None: getattr(tc, k, d))
         hidden, heads = int(g("hidden_size")), int(g("num_attention_heads"))
+        mla = {k: int(g(k) or 0) for k in MLA_DIMS}
         return cls(layers=int(g("num_hidden_layers")), hidden=hidden, vocab=int(g("vocab_size")), heads=heads,
                    kv_heads=int(g("num_key_value_heads") or heads), head_dim=hidden // heads,  # as draft.layer_config
-                   intermediate=int(g("intermediate_size") or 3 * hidden))
+                   intermediate=int(g("intermediate_size") or 3 * hidden),
+                   mla=mla if all(mla[k] for k in MLA_DIMS[1:]) else None)  # as draft_mla.has_mla
+
+
+# draft_mla.MLA_DIMS, repeated so the planner stays free of torch
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 @dataclass
@@ -57,14 +66,15 @@ class Flags:
     shard_mb: float = 1024.0
     draft_vocab_size: int = 32000
     max_tokens_per_batch: int = 4096
-    ttt_steps: int = 7
+    ttt_steps: int = 3  # 04's default
+    draft_arch: str = "auto"  # 04's --draft-arch: auto is the MLA layer for an MLA target, else Llama
     gpus: int = 8
     gpu_memory_gb: float = 96.0
     train_embeddings: bool = False
     train_lm_head: bool = False
     attn: str = "flex"  # flex: no S x S scores; sdpa/eager: dense scores per head
     act_bytes: int = 2  # bf16 autocast on GPU; 4 on CPU
-    epochs: int = 1
+    epochs: int | None = None  # None: 04's default length rule (budget.auto_epochs)
     optimizer: str = "muon"  # 04's default; Muon keeps one fp32 state per matrix weight, AdamW two
     head_chunk: int = 2048  # rows of full-vocabulary logits at a time (02's top-k head, 05's greedy)
     raw_bytes_per_token: float = RAW_BYTES_PER_TOKEN
@@ -105,13 +115,72 @@ def head_bytes(shape: Shape, chunk: int, weight_bytes: int = 2) -> int:
     return shape.vocab * shape.hidden * weight_bytes + shape.hidden * 4 + 2 * chunk * shape.vocab * 4
 
 
-def draft_params(shape: Shape, f: Flags) -> dict[str, int]:
-    """A one-layer EAGLE-3 draft as wide as the target (draft.build_draft over speculators')."""
+def steps_per_epoch(f: Flags) -> int:
+    """Optimizer steps in one pass: every GPU takes a batch of max_tokens_per_batch per step."""
+    return max(1, math.ceil(tokens(f) / (f.max_tokens_per_batch * f.gpus)))
+
+
+def epochs(f: Flags) -> int:
+    return f.epochs or auto_epochs(steps_per_epoch(f))
+
+
+def is_mla(shape: Shape, f: Flags) -> bool:
+    """Which layer 04 builds (train/model.draft_arch): --draft-arch mla, or auto on an MLA target."""
+    if f.draft_arch == "mla" and not shape.mla:
+        raise PipelineError("--draft-arch mla needs a target with multi-head latent attention (MLA dims in its config)")
+    return f.draft_arch == "mla" or (f.draft_arch == "auto" and shape.mla is not None)
+
+
+def mla_widths(shape: Shape) -> dict[str, int]:
+    """Per-token widths of the MLA layer's projections (draft_mla.MlaFirstLayer)."""
+    m, n = shape.mla, shape.heads
+    return {"q": n * (m["qk_nope_head_dim"] + m["qk_rope_head_dim"]), "q_lora": m["q_lora_rank"],
+            "kv_a": m["kv_lora_rank"] + m["qk_rope_head_dim"], "kv_lora": m["kv_lora_rank"],
+            "kv_b": n * (m["qk_nope_head_dim"] + m["v_head_dim"]), "o_in": n * m["v_head_dim"]}
+
+
+def layer_params(shape: Shape, f: Flags) -> int:
+    """The one decoder layer: q/k/v (or the MLA latents) over the 2H first-layer input, o, the dense
+    MLP, and the norms."""
     H, I = shape.hidden, shape.intermediate
+    if is_mla(shape, f):
+        w = mla_widths(shape)
+        q = (2 * H * w["q_lora"] + w["q_lora"] + w["q_lora"] * w["q"]) if w["q_lora"] else 2 * H * w["q"]
+        attn = q + 2 * H * w["kv_a"] + w["kv_lora"] + w["kv_lora"] * w["kv_b"] + w["o_in"] * H
+        return attn + 3 * H * I + 3 * H
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    layer = 2 * H * (q + 2 * kv) + q * H + 3 * H * I + 3 * H  # q/k/v take 2H; o; gate/up/down; 3 norms
-    return {"fc": f.n_aux * H * H, "layer": layer, "norm": H,
+    return 2 * H * (q + 2 * kv) + q * H + 3 * H * I + 3 * H  # q/k/v take 2H; o; gate/up/down; 3 norms
+
+
+def draft_params(shape: Shape, f: Flags) -> dict[str, int]:
+    """A one-layer EAGLE-3 draft as wide as the target (draft.build_draft over speculators', or
+    draft_mla.build_mla_draft)."""
+    H = shape.hidden
+    return {"fc": f.n_aux * H * H, "layer": layer_params(shape, f), "norm": H,
             "lm_head": f.draft_vocab_size * H, "embed": shape.vocab * H}
+
+
+def layer_activations_per_token(shape: Shape, f: Flags) -> int:
+    """Elements autograd keeps per new token and TTT step inside the layer: the 2H input and its
+    norms, the attention's projections and output, o, the residuals, MLP gate/up/act/down."""
+    H, I = shape.hidden, shape.intermediate
+    if is_mla(shape, f):
+        w = mla_widths(shape)
+        return 4 * H + 2 * w["q_lora"] + 2 * w["q"] + 2 * w["kv_a"] + 2 * w["o_in"] + 3 * H + 3 * I
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    return 4 * H + 2 * q + 2 * kv + 3 * H + 3 * I
+
+
+def mla_cache_activations(shape: Shape, f: Flags) -> int:
+    """What the MLA layer keeps for its keys: TTT step k (0-based) attends to (k+1) x S cached
+    positions, whose latents it expands again through kv_b (the latent in, k nope + rope and v
+    out); with dense attention also the scores and the mask over those keys (flex keeps neither)."""
+    w, S, T = mla_widths(shape), f.max_tokens_per_batch, f.ttt_steps
+    keys = S * T * (T + 1) // 2  # cached positions summed over the steps
+    k_width = w["kv_lora"] + shape.heads * (shape.mla["qk_nope_head_dim"] + 2 * shape.mla["qk_rope_head_dim"]) \
+        + shape.heads * shape.mla["v_head_dim"]
+    dense = (shape.heads + 1) * S * keys * 4 if f.attn != "flex" else 0
+    return keys * k_width * f.act_bytes + dense
 
 
 def train_memory(shape: Shape, f: Flags) -> dict[str, int]:
@@ -122,12 +191,14 @@ def train_memory(shape: Shape, f: Flags) -> dict[str, int]:
     p = draft_params(shape, f)
     trainable = p["fc"] + p["layer"] + p["norm"] + p["lm_head"] * f.train_lm_head + p["embed"] * f.train_embeddings
     total = sum(p.values())
-    H, I, S, a = shape.hidden, shape.intermediate, f.max_tokens_per_batch, f.act_bytes
-    q, kv, dv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, f.draft_vocab_size
-    # per step and token: the 2H layer input and its norms, q/k/v/attention out, o, residuals,
-    # MLP gate/up/act/down; draft logits fp32 with log-softmax and grad, the target's probabilities
-    per_tok = (4 * H + 2 * q + 2 * kv + 3 * H + 3 * I) * a + 4 * dv * 4
-    attn = f.ttt_steps * shape.heads * S * S * 4 if f.attn != "flex" else 0
+    H, S, a, dv = shape.hidden, f.max_tokens_per_batch, f.act_bytes, f.draft_vocab_size
+    # per step and token: the layer's, then the draft logits fp32 with log-softmax and grad, the
+    # target's probabilities
+    per_tok = layer_activations_per_token(shape, f) * a + 4 * dv * 4
+    if is_mla(shape, f):
+        attn = mla_cache_activations(shape, f)
+    else:
+        attn = f.ttt_steps * shape.heads * S * S * 4 if f.attn != "flex" else 0
     head = 0 if f.storage == "fp8-topk" else (shape.vocab + dv) * H * a + 2 * S * dv * 4
     act = f.ttt_steps * S * per_tok + S * f.n_aux * H * a + attn
     out = {"weights": total * 4, "grads_and_adam": trainable * (4 + state_bytes(f)), "target_head": head,
@@ -176,7 +247,8 @@ def plan(shape: Shape, f: Flags) -> dict:
         "04": {"disk": checkpoint_bytes(shape, f) * 3 + export_bytes(shape, f, 2),
                "gpu_memory": mem["total"], "memory_parts": mem,
                "checkpoint": checkpoint_bytes(shape, f), "export_bf16": export_bytes(shape, f, 2),
-               "export_fp32": export_bytes(shape, f, 4), **timed("04", n * f.epochs)},
+               "export_fp32": export_bytes(shape, f, 4), "draft": "mla" if is_mla(shape, f) else "llama",
+               "epochs": epochs(f), "steps": steps_per_epoch(f) * epochs(f), **timed("04", n * epochs(f))},
         "05": {"gpu_memory": head_bytes(shape, f.head_chunk) + sum(draft_params(shape, f).values()) * 2,
                "gpu_memory_note": "offline: target head bf16 + chunk logits + the draft bf16"},
     }
@@ -197,10 +269,11 @@ def table(p: dict) -> str:
         rows.append(f"{name:<6}{gb(s.get('disk')):>12}{gb(s.get('gpu_memory')):>12}{s.get('tokens', 0):>16,}"
                     f"{s.get('rate_tok_s', 0):>10,.0f}{s.get('hours', 0):>9.1f}  {s.get('rate_source', '')}")
     m = p["stages"]["04"]["memory_parts"]
+    s4 = p["stages"]["04"]
+    rows.append(f"04 {s4['draft']} draft layer, {s4['epochs']} epoch(s) = {s4['steps']:,} steps")
     rows.append(f"04 per GPU: weights {gb(m['weights'])}, grads+optimizer {gb(m['grads_and_adam'])}, target head "
                 f"{gb(m['target_head'])}, activations {gb(m['activations'])} "
                 f"({m['trainable_params'] / 1e6:,.0f}M trainable of {m['params'] / 1e6:,.0f}M)")
-    s4 = p["stages"]["04"]
     rows.append(f"04 checkpoint {gb(s4['checkpoint'])}; export bf16 {gb(s4['export_bf16'])}, "
                 f"fp32 {gb(s4['export_fp32'])}; disk total {gb(p['disk_total'])}")
     return "\n".join(rows)
@@ -244,12 +317,12 @@ def dry_run_train(cfg) -> int:
               storage=(store.get("storage") or {}).get("format", "bf16"),
               n_aux=len(cfg.aux_layer_ids or store.get("aux_layer_ids") or [0, 0, 0]),
               draft_vocab_size=int((mapping.get("counts") or {}).get("draft_vocab_size") or shape.vocab),
-              max_tokens_per_batch=cfg.max_tokens_per_batch, ttt_steps=cfg.ttt_steps, epochs=cfg.epochs or 1,
-              optimizer=cfg.optimizer,
+              max_tokens_per_batch=cfg.max_tokens_per_batch, ttt_steps=cfg.ttt_steps, epochs=cfg.epochs,
+              optimizer=cfg.optimizer, draft_arch=cfg.draft_arch,
               train_embeddings=cfg.train_embeddings, train_lm_head=cfg.train_lm_head,
               attn="flex" if cfg.attn in ("auto", "flex") else cfg.attn)
     s = plan(shape, f)["stages"]["04"]
-    print(f"04 plan: per GPU {s['gpu_memory'] / GB:,.2f} GB at {cfg.max_tokens_per_batch} tokens x "
+    print(f"04 plan: {s['draft']} draft layer; per GPU {s['gpu_memory'] / GB:,.2f} GB at {cfg.max_tokens_per_batch} tokens x "
           f"{cfg.ttt_steps} TTT steps (bf16, flex on CUDA); checkpoint {s['checkpoint'] / GB:,.2f} GB, "
           f"export {s['export_bf16'] / GB:,.2f} GB bf16 / {s['export_fp32'] / GB:,.2f} GB fp32; nothing written")
     return 0
