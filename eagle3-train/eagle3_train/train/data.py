@@ -5,8 +5,8 @@ trained), and the plan of which batches each step reads. Only `max_sample_tokens
 samples, and the plan counts what it cuts. With `window_tokens` a longer training sample is trained
 as windows instead (`windows`, `pieces`): each supervised position once per epoch, the draft
 attending back only `window_context` positions; validation stays on whole samples. The batch
-order is a pure function of (seed, epoch), so the data position is (epoch, batches consumed) and a resumed run repeats the
-uninterrupted one."""
+order is a pure function of (seed, epoch), so the data position is (epoch, batches consumed) and
+a resumed run repeats the uninterrupted one."""
 
 from __future__ import annotations
 
