@@ -73,6 +73,8 @@ def parse_args(argv=None) -> TrainConfig:
     g = p.add_argument_group("data")
     g.add_argument("--max-tokens-per-batch", type=int, **C.arg("max_tokens_per_batch"))
     g.add_argument("--max-sample-tokens", type=int, **C.arg("max_sample_tokens"))
+    g.add_argument("--window-tokens", type=int, **C.arg("window_tokens"))
+    g.add_argument("--window-context", type=int, **C.arg("window_context"))
     g.add_argument("--grad-accum", type=int, **C.arg("grad_accum"))
     g.add_argument("--epochs", type=int, **C.arg("epochs"))
     g.add_argument("--budget", **C.arg("budget"))

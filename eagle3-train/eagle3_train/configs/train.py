@@ -99,6 +99,11 @@ class TrainConfig(StageConfig):
     max_sample_tokens: int | None = setting(None, help="cut samples to this many tokens (their tails are not "
                                                        "trained; reported at start and in the manifest) "
                                                        "(default: none cut)")
+    window_tokens: int = setting(0, help="train a sample longer than this many positions as consecutive windows "
+                                         "of it, each supervised position once an epoch (validation stays whole); "
+                                         "0 = whole samples")
+    window_context: int | None = setting(None, help="positions before each window the draft attends to, "
+                                                    "loss masked; below --window-tokens (default: a quarter of it)")
     grad_accum: int = setting(1, help="batches per process per step")
     epochs: int | None = setting(None, help=f"passes over the training split (default: enough to reach "
                                             f"{MIN_STEPS} optimizer steps, at most {MAX_EPOCHS}; see --budget)")
@@ -132,6 +137,10 @@ class TrainConfig(StageConfig):
             require(getattr(self, name) >= 1, f"--{_flag(name)} must be at least 1, not {getattr(self, name)}")
         require(self.max_sample_tokens is None or self.max_sample_tokens >= 2,
                 f"--max-sample-tokens must be at least 2, not {self.max_sample_tokens}")
+        require(self.window_tokens >= 0, f"--window-tokens must be at least 0, not {self.window_tokens}")
+        require(self.window_context is None or (self.window_tokens and 0 <= self.window_context < self.window_tokens),
+                f"--window-context must be in [0, --window-tokens {self.window_tokens}), not {self.window_context}"
+                + ("" if self.window_tokens else " (it needs --window-tokens)"))
         require(self.export_dtype in EXPORT_DTYPES,
                 f"--export-dtype must be one of {', '.join(EXPORT_DTYPES)}, not {self.export_dtype!r}")
         require(self.max_steps is None or self.max_steps >= 1, f"--max-steps must be at least 1, not {self.max_steps}")
@@ -148,6 +157,11 @@ class TrainConfig(StageConfig):
                 f"--budget {self.budget} and --epochs {self.epochs} both set the run's length: give one")
         parse_budget(self.budget)
         self.step_weights  # noqa: B018 -- a malformed --ttt-decay is refused before any work
+
+    @property
+    def context_tokens(self) -> int:
+        """--window-context, or its default: a quarter of --window-tokens (0 without windows)."""
+        return self.window_context if self.window_context is not None else self.window_tokens // 4
 
     @property
     def mla_dims(self) -> dict[str, int | None]:

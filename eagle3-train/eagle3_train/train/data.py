@@ -2,9 +2,11 @@
 `max_tokens_per_batch` tokens (one [1, total] sequence with document ids, as speculators' forward
 takes them; a sample longer than that gets a batch of its own, whole, so every supervised token is
 trained), and the plan of which batches each step reads. Only `max_sample_tokens`, when set, cuts
-samples, and the plan counts what it cuts. The batch order is a pure function of
-(seed, epoch), so the data position is (epoch, batches consumed) and a resumed run repeats the
-uninterrupted one."""
+samples, and the plan counts what it cuts. With `window_tokens` a longer training sample is trained
+as windows instead (`windows`, `pieces`): each supervised position once per epoch, the draft
+attending back only `window_context` positions; validation stays on whole samples. The batch
+order is a pure function of (seed, epoch), so the data position is (epoch, batches consumed) and
+a resumed run repeats the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -74,6 +76,34 @@ def cut_report(ids: list[str], lengths: dict[str, int], max_sample: int | None) 
             "tokens": lost, "token_share": lost / total if total else 0.0, "max_sample_tokens": max_sample}
 
 
+def windows(length: int, n: int, c: int) -> list[tuple[int, int, int]]:
+    """A sample of `length` tokens as windows over its draft positions 1..length-1 (position t reads
+    the aux state of token t-1 and token t): (start, stop, loss_from), the positions [start, stop)
+    the draft attends to, of which [loss_from, stop) carry the loss, [start, loss_from) being up to
+    `c` positions of context. The loss ranges tile 1..length-1, each `n` long (the last shorter);
+    a sample of at most `n` positions is one window."""
+    out = []
+    for lo in range(1, length, n):
+        out.append((max(1, lo - c), min(lo + n, length), lo))
+    return out
+
+
+def pieces(ids: list[str], lengths: dict[str, int], n: int, c: int, lookahead: int,
+           max_sample: int | None = None) -> tuple[list[tuple], dict[tuple, int]]:
+    """`ids` as windows (a sample cut to `max_sample` first): pieces (sid, a, b, loss_from, loss_to),
+    the tokens [a, b) of sample sid whose draft positions [loss_from, loss_to) carry the loss, and
+    their lengths in tokens. `lookahead` (TTT steps) tokens past a window's loss range come with it,
+    unsupervised, so its last positions' later steps still have their input and target tokens."""
+    out, sizes = [], {}
+    for sid in ids:
+        length = shifted(lengths[sid], max_sample) + 1
+        for start, stop, loss_from in windows(length, n, c):
+            p = (sid, start - 1, min(stop + lookahead, length), loss_from, stop)
+            out.append(p)
+            sizes[p] = p[2] - p[1]
+    return out, sizes
+
+
 @dataclass
 class Batch:
     aux: torch.Tensor  # [1, S, n_aux * H]: aux state at shifted position j (token j of the doc)
@@ -90,6 +120,7 @@ class Batch:
     n_docs: int
     tokens: int  # real shifted tokens
     truncated: int = 0
+    live: torch.Tensor | None = None  # [T] whether a draft here carries loss (None: all; False: window context)
     targets: torch.Tensor | None = None  # [S, K] target logits over the draft vocab
     ref: torch.Tensor | None = None  # [T] target's greedy token for position t+1
     rows: list = field(default_factory=list)  # per step: shifted positions with a valid target
@@ -101,39 +132,46 @@ class Batch:
 
         return Batch(f(self.aux, True), f(self.ids), f(self.pos), f(self.doc), f(self.last, True),
                      f(self.topk_ids), f(self.topk_lp), f(self.full_ids), f(self.full_mask), f(self.full_doc),
-                     f(self.to_full), self.n_docs, self.tokens, self.truncated)
+                     f(self.to_full), self.n_docs, self.tokens, self.truncated, f(self.live))
 
 
-def collate(store, ids: list[str], cap: int | None, aux_index: list[int], pad_to: int | None = None) -> Batch:
+def collate(store, ids: list, cap: int | None, aux_index: list[int], pad_to: int | None = None) -> Batch:
     """Load and shift samples (EAGLE-3 pairs the aux state of token j with token j+1, whose
     target distribution is the target's prediction for token j+2), each cut to `cap` shifted
-    tokens (None: whole), then pack them; padded to `pad_to` (a multiple of 128), or to the next
-    multiple of it when the batch is longer (a sample longer than a batch)."""
-    parts = {k: [] for k in ("aux", "ids", "pos", "doc", "last", "tk", "tl", "fid", "fmask", "fdoc", "tofull")}
+    tokens (None: whole), or windows of them (pieces: cut already), then pack them; padded to
+    `pad_to` (a multiple of 128), or to the next multiple of it when the batch is longer (a sample
+    longer than a batch)."""
+    parts = {k: [] for k in ("aux", "ids", "pos", "doc", "last", "tk", "tl", "fid", "fmask", "fdoc", "tofull",
+                             "live")}
     s_off = t_off = truncated = 0
-    for d, sid in enumerate(ids):
+    for d, item in enumerate(ids):
+        sid, a, n, live = (item, 0, None, None) if isinstance(item, str) else (item[0], item[1], item[2], item[3:])
         s = read_sample(store, sid)
-        n = len(s.input_ids)
-        if cap is not None and n - 1 > cap:
-            n, truncated = cap + 1, truncated + 1
-        aux = s.aux[:n] if aux_index == list(range(s.aux.shape[1])) else s.aux[:n, aux_index]
+        if n is None:
+            n = len(s.input_ids)
+            if cap is not None and n - 1 > cap:
+                n, truncated = cap + 1, truncated + 1
+        aux = s.aux[a:n] if aux_index == list(range(s.aux.shape[1])) else s.aux[a:n, aux_index]
         parts["aux"].append(aux[:-1].flatten(1))
-        parts["ids"].append(s.input_ids[1:n])
-        parts["pos"].append(torch.arange(1, n))
-        parts["doc"].append(torch.full((n - 1,), d))
+        parts["ids"].append(s.input_ids[a + 1:n])
+        # the sample's own positions: a window's draft sees the rope angles serving would
+        parts["pos"].append(torch.arange(a + 1, n))
+        parts["doc"].append(torch.full((n - a - 1,), d))
         if s.last is not None:
-            parts["last"].append(s.last[1:n])
+            parts["last"].append(s.last[a + 1:n])
         if s.topk_ids is not None:
-            parts["tk"].append(s.topk_ids[1:n])
-            parts["tl"].append(s.topk_logprobs[1:n])
-        parts["fid"].append(s.input_ids[:n])
-        parts["fmask"].append(s.loss_mask[:n])
-        fdoc = torch.full((n,), d)
+            parts["tk"].append(s.topk_ids[a + 1:n])
+            parts["tl"].append(s.topk_logprobs[a + 1:n])
+        parts["fid"].append(s.input_ids[a:n])
+        parts["fmask"].append(s.loss_mask[a:n])
+        fdoc = torch.full((n - a,), d)
         fdoc[0] = -1
         parts["fdoc"].append(fdoc)
-        parts["tofull"].append(torch.arange(1, n) + t_off)
-        s_off += n - 1
-        t_off += n
+        t = torch.arange(a, n)
+        parts["live"].append(torch.ones(n - a, dtype=torch.bool) if live is None else (t >= live[0]) & (t < live[1]))
+        parts["tofull"].append(torch.arange(1, n - a) + t_off)
+        s_off += n - a - 1
+        t_off += n - a
     cat = lambda k: torch.cat(parts[k]) if parts[k] else None  # noqa: E731
     aux, tok, pos, doc = cat("aux"), cat("ids"), cat("pos"), cat("doc")
     last, tk, tl = cat("last"), cat("tk"), cat("tl")
@@ -144,7 +182,8 @@ def collate(store, ids: list[str], cap: int | None, aux_index: list[int], pad_to
         z = lambda t, v=0: None if t is None else torch.cat([t, t.new_full((pad, *t.shape[1:]), v)])  # noqa: E731
         aux, tok, pos, doc, last, tk, tl = z(aux), z(tok), z(pos), z(doc, -1), z(last), z(tk), z(tl)
     return Batch(aux[None], tok[None], pos[None], doc, last, tk, tl, cat("fid"), cat("fmask"), cat("fdoc"),
-                 cat("tofull"), len(ids), s_off, truncated)
+                 cat("tofull"), len(ids), s_off, truncated,
+                 None if all(isinstance(i, str) for i in ids) else cat("live"))
 
 
 @dataclass
@@ -182,11 +221,18 @@ def make_plan(store, config: TrainConfig, per_step: int, epochs: int | None = No
         raise PipelineError(f"no training samples in {config.hidden_states} after holding out "
                             f"{len(val)} for validation (--val-fraction {config.val_fraction})")
     cap, max_sample = config.max_tokens_per_batch, config.max_sample_tokens
-    epochs = [pack(train, lengths, cap, random.Random(f"{config.seed}:{e}"), max_sample=max_sample)
+    units, sizes, cut = train, lengths, max_sample
+    if config.window_tokens:
+        units, sizes = pieces(train, lengths, config.window_tokens, config.context_tokens, config.ttt_steps,
+                              max_sample)
+        cut = None  # the pieces are cut already
+    epochs = [pack(units, sizes, cap, random.Random(f"{config.seed}:{e}"), max_sample=cut)
               for e in range(epochs or config.epochs or 1)]
     plan = Plan(train, val, dropped, epochs, per_step,
                 {"train": cut_report(train, lengths, max_sample), "val": cut_report(val, lengths, max_sample),
-                 "own_batch": sum(shifted(lengths[i], max_sample) > cap for i in train + val),
+                 "own_batch": sum(shifted(sizes[u], cut) > cap for u in units)
+                 + sum(shifted(lengths[i], max_sample) > cap for i in val),
+                 "windows": len(units) if config.window_tokens else None,
                  "longest": max(shifted(lengths[i], max_sample) for i in train + val)}, lengths)
     if plan.steps_in(0) == 0:
         raise PipelineError(f"{len(train)} training samples make {len(epochs[0])} batches of "

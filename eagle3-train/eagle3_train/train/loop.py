@@ -117,7 +117,8 @@ class Trainer:
                                steps_per_epoch=first.steps_in(0), tokens_per_epoch=tokens, seconds_per_step=pace)
         length |= {"steps_per_epoch": first.steps_in(0), "train_tokens_per_epoch": tokens,
                    "optimizer": config.optimizer, "lr": config.lr, "schedule": config.schedule,
-                   "ttt_steps": config.ttt_steps, "norm_before_fc": config.norm_before_fc, "loss": config.loss}
+                   "ttt_steps": config.ttt_steps, "norm_before_fc": config.norm_before_fc, "loss": config.loss,
+                   "window_tokens": config.window_tokens, "window_context": config.context_tokens}
         if pace is not None:
             length["seconds_per_step"] = pace
         if self.d.main:
@@ -279,7 +280,9 @@ class Trainer:
         c = self.config
         print(f"{STAGE}: recipe: {self.total_steps} steps over {self.length['epochs']} epochs "
               f"({self.length['why']}); {c.optimizer} lr {c.lr:g} {c.schedule}, TTT {c.ttt_steps}, "
-              f"loss {c.loss}, norm_before_fc {'on' if c.norm_before_fc else 'off'}", flush=True)
+              f"loss {c.loss}, norm_before_fc {'on' if c.norm_before_fc else 'off'}"
+              + (f"; training samples as {cut['windows']:,} windows of {c.window_tokens} positions after up to "
+                 f"{c.context_tokens} of context (validation: whole samples)" if c.window_tokens else ""), flush=True)
 
 
 def better(val: dict, best: dict) -> bool:

@@ -106,6 +106,8 @@ def prepare(b: Batch, target_head, steps: int) -> Batch:
     b.ref = torch.full_like(b.full_ids, -1)
     b.ref[b.to_full] = ref_s[:n]
     valid = alignment(b, steps)
+    if b.live is not None:  # a window's context positions (and lookahead) are attended to, never trained
+        valid &= b.live
     b.rows = [valid[k][b.to_full].nonzero().squeeze(1) for k in range(steps)]
     return b
 
@@ -120,6 +122,8 @@ def acceptance_stats(b: Batch, preds: list[torch.Tensor], to_target: Callable) -
         f[b.to_full] = to_target(p[:n])
         full.append(f)
     correct, valid = draft_correctness(full, b.full_ids, b.full_mask, b.ref, b.full_doc)
+    if b.live is not None:
+        valid &= b.live
     return chain_acceptance(correct, valid)
 
 
