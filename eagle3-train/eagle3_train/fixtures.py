@@ -15,7 +15,7 @@ from .store import TMP_PREFIX, atomic_dir_commit
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_REASONER = REPO_ROOT / "assets" / "tiny-reasoner"  # the committed trained target
 KIMI_TWIN_CORE = REPO_ROOT / "assets" / "kimi-twin-core"  # the trained Kimi twin, live vocab rows only
-FIXTURES_VERSION = "2"  # bump when a builder changes, so stale cache entries are not reused
+FIXTURES_VERSION = "3"  # bump when a builder changes, so stale cache entries are not reused
 
 
 def cache_dir() -> Path:

