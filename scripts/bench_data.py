@@ -20,13 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3_train.bench_runs import (AUX_LAYERS, BENCH_TARGET, DRAFT_VOCAB, HELDOUT_SEED, TRAIN_SEED,
-                                     complete, layout, run_stage)
+from eagle3_train.bench_runs import AUX_LAYERS, BENCH_TARGET, DRAFT_VOCAB, HELDOUT_SEED, TRAIN_SEED, layout, run_stage
 from eagle3_train.bench_tasks import write_bench_prompts
 from eagle3_train.dataset import STAGE as TOKENIZE_STAGE
 from eagle3_train.errors import run_main
 from eagle3_train.generate import STAGE as GEN_STAGE
 from eagle3_train.hidden_store import STAGE as STORE_STAGE
+from eagle3_train.manifest import is_complete as complete
 from eagle3_train.store import atomic_write_text
 from eagle3_train.vocab import STAGE as VOCAB_STAGE
 

@@ -34,10 +34,11 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3_train.bench_runs import BENCH_TARGET, complete, layout, run_stage
+from eagle3_train.bench_runs import BENCH_TARGET, layout, run_stage
 from eagle3_train.config import EVALUATE as EVAL_STAGE
 from eagle3_train.config import TRAIN as TRAIN_STAGE
 from eagle3_train.errors import PipelineError, run_main
+from eagle3_train.manifest import is_complete as complete
 from eagle3_train.store import atomic_write_text
 
 DEFAULT_ARMS = {

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from .errors import PipelineError
 from .fixtures import REPO_ROOT
-from .manifest import is_complete as complete  # noqa: F401 -- the bench scripts import it from here
 from .vllm_server import die_with_parent
 
 STAGES = REPO_ROOT / "eagle3-train"

@@ -111,7 +111,7 @@ def target_head(target_cfg, weights: dict, draft_ids: torch.Tensor | None, devic
 def resolve_arch(arch: str, target_cfg, mla_dims: dict | None = None) -> str:
     """`auto` -> mla for a target with multi-head latent attention (DeepSeek-V3 / Kimi; measured
     better there, README "04"), else llama. MLA dims asked for a non-MLA draft are refused."""
-    from .draft_mla import has_mla
+    from .target import has_mla
 
     if arch == "auto":
         arch = "mla" if has_mla(text_config(target_cfg)) else "llama"

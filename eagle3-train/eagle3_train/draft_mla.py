@@ -29,6 +29,7 @@ from torch import nn
 from .errors import PipelineError
 from .manifest import text_config
 from .store import TMP_PREFIX, atomic_dir_commit
+from .target import MLA_DIMS, has_mla
 
 ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 # Not deepseek_v3: vLLM turns every deepseek_v3 draft config into its MTP model
@@ -36,12 +37,7 @@ ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 # "Eagle3DeepSeekMTPModel ... not supported"). Same fields; our loader reads them as DeepSeek-V3's.
 MODEL_TYPE = "deepseek_v2"
 # The target's MLA dimensions the draft inherits (q_lora_rank may be None: q_proj instead of q_a/q_b).
-MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 META = "eagle3_train"
-
-
-def has_mla(tc) -> bool:
-    return all(getattr(tc, k, None) for k in MLA_DIMS[1:])
 
 
 def is_mla_export(cfg: dict) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from .budget import auto_epochs
 from .errors import PipelineError
 from .hidden_store import bytes_per_token
+from .target import MLA_DIMS, has_mla
 
 GB = 1e9
 DISK_MARGIN = 1.02  # extract.DISK_MARGIN: headers, index, plan
@@ -45,15 +46,10 @@ class Shape:
         """From a transformers config (or any object with the same attributes: the text config)."""
         g = (lambda k, d=None: tc.get(k, d)) if isinstance(tc, dict) else (lambda k, d=None: getattr(tc, k, d))
         hidden, heads = int(g("hidden_size")), int(g("num_attention_heads"))
-        mla = {k: int(g(k) or 0) for k in MLA_DIMS}
         return cls(layers=int(g("num_hidden_layers")), hidden=hidden, vocab=int(g("vocab_size")), heads=heads,
                    kv_heads=int(g("num_key_value_heads") or heads), head_dim=hidden // heads,  # as draft.layer_config
                    intermediate=int(g("intermediate_size") or 3 * hidden),
-                   mla=mla if all(mla[k] for k in MLA_DIMS[1:]) else None)  # as draft_mla.has_mla
-
-
-# draft_mla.MLA_DIMS, repeated so the planner stays free of torch
-MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+                   mla={k: int(g(k) or 0) for k in MLA_DIMS} if has_mla(tc) else None)
 
 
 @dataclass
@@ -322,7 +318,8 @@ def dry_run_train(cfg) -> int:
               train_embeddings=cfg.train_embeddings, train_lm_head=cfg.train_lm_head,
               attn="flex" if cfg.attn in ("auto", "flex") else cfg.attn)
     s = plan(shape, f)["stages"]["04"]
-    print(f"04 plan: {s['draft']} draft layer; per GPU {s['gpu_memory'] / GB:,.2f} GB at {cfg.max_tokens_per_batch} tokens x "
-          f"{cfg.ttt_steps} TTT steps (bf16, flex on CUDA); checkpoint {s['checkpoint'] / GB:,.2f} GB, "
+    print(f"04 plan: {s['draft']} draft layer; per GPU {s['gpu_memory'] / GB:,.2f} GB at "
+          f"{cfg.max_tokens_per_batch} tokens x {cfg.ttt_steps} TTT steps (bf16, flex on CUDA); "
+          f"checkpoint {s['checkpoint'] / GB:,.2f} GB, "
           f"export {s['export_bf16'] / GB:,.2f} GB bf16 / {s['export_fp32'] / GB:,.2f} GB fp32; nothing written")
     return 0

@@ -10,6 +10,15 @@ from __future__ import annotations
 from .errors import PipelineError
 from .manifest import describe_target, text_config
 
+# multi-head latent attention (DeepSeek-V3 / Kimi): q_lora_rank may be 0 (no q compression)
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def has_mla(tc) -> bool:
+    """Whether a text config (a transformers config or its dict) describes an MLA model."""
+    get = tc.get if isinstance(tc, dict) else (lambda k: getattr(tc, k, None))
+    return all(get(k) for k in MLA_DIMS[1:])
+
 
 def load_target_config(name_or_path: str):
     """The target's config (transformers AutoConfig), or one PipelineError line saying why not."""
