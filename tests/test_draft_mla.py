@@ -96,11 +96,14 @@ def test_ttt_attention_stays_in_its_document_and_causal(twin):
     assert not torch.allclose(ref[0], ref[1])
 
 
-def test_export_is_vllms_deepseek_eagle3_format_and_loads_back_identically(twin, tmp_path):
-    model = make(twin, speculative_tokens=4).eval()
+@pytest.mark.parametrize("fc_norm", [False, True])  # 04's --norm-before-fc: deepseek_eagle3's per-aux fc_norm
+def test_export_is_vllms_deepseek_eagle3_format_and_loads_back_identically(twin, tmp_path, fc_norm):
+    model = make(twin, speculative_tokens=4, norm_before_fc=fc_norm).eval()
     with torch.no_grad():  # a trained-looking draft: not the initialisation's symmetry
         for p in model.layers.parameters():
             p.add_(0.01 * torch.randn_like(p))
+        for p in (model.fc_norm.parameters() if fc_norm else ()):  # not ones, so a norm not loaded shows
+            p.normal_(1.0, 0.5)
     out = D.export_draft(model, tmp_path / "export")
     cfg = json.loads((out / "config.json").read_text())
     tc = twin["cfg"].text_config
@@ -113,6 +116,7 @@ def test_export_is_vllms_deepseek_eagle3_format_and_loads_back_identically(twin,
     assert cfg["rope_scaling"]["type"] == "yarn" and cfg["rope_scaling"]["factor"] == 64.0
     assert cfg["eagle_aux_hidden_state_layer_ids"] == AUX and cfg["num_aux_hidden_states"] == 3
     assert (cfg["draft_vocab_size"], cfg["target_hidden_size"], cfg["norm_before_residual"]) == (64, 64, False)
+    assert cfg["fc_norm"] is fc_norm and cfg["norm_output"] is False
     assert cfg["eagle3_train"]["speculative_tokens"] == 4
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
@@ -123,7 +127,8 @@ def test_export_is_vllms_deepseek_eagle3_format_and_loads_back_identically(twin,
             "layers.0.self_attn.q_b_proj.weight", "layers.0.self_attn.kv_b_proj.weight",
             "layers.0.self_attn.o_proj.weight", "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight",
             "layers.0.mlp.down_proj.weight", "layers.0.input_layernorm.weight",
-            "layers.0.post_attention_layernorm.weight", "layers.0.hidden_norm.weight"} == keys
+            "layers.0.post_attention_layernorm.weight", "layers.0.hidden_norm.weight"} \
+        | ({f"fc_norm.{i}.weight" for i in range(3)} if fc_norm else set()) == keys
     loaded = load_mla_draft(out, twin["target"]).eval()
     aux, tok, pos, doc = batch(1)
     with torch.no_grad():
@@ -160,7 +165,22 @@ def test_04_trains_and_exports_an_mla_draft(ds_inputs, tmp_path):
     assert len(losses) == 4 and all(map(torch.isfinite, torch.tensor(losses)))
     cfg = json.loads((out / "export" / "config.json").read_text())
     assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and cfg["dtype"] == "bfloat16"
+    assert cfg["fc_norm"] is True  # --norm-before-fc's default, as deepseek_eagle3 offers it
     assert isinstance(load_mla_draft(out / "export", ds_inputs["target"]), MlaDraft)
+
+
+def test_fc_norm_puts_each_aux_layer_on_one_scale(twin):
+    """fc_norm (vLLM's deepseek_eagle3: an RMSNorm per aux layer's chunk before fc) makes the draft
+    blind to one aux layer's scale, as a target's late layers are far larger than its early ones;
+    without it that layer's scale reaches fc."""
+    aux, tok, pos, doc = batch(2)
+    scaled = aux.clone()
+    scaled[..., 128:] *= 50.0  # the last aux layer's chunk
+    for on in (True, False):
+        model = make(twin, norm_before_fc=on).eval()
+        with torch.no_grad():
+            a, b = (next(D.unroll(model, x, tok, pos, doc, 1)) for x in (aux, scaled))
+        assert torch.allclose(a, b, atol=1e-4) is on
 
 
 def test_auto_is_mla_for_an_mla_target_and_llama_otherwise(deepseek_target_dir, llama_target_dir, twin):

@@ -43,7 +43,7 @@ def test_04_mla_draft_served_by_vllm_as_the_twins_eagle3_draft(tmp_path, kimi_tw
          "--max-tokens-per-batch", "1024", "--val-fraction", "0.1", "--warmup-steps", "5", "--threads", "1",
          "--quiet"]) in (0, None)
     cfg = json.loads((run / "export" / "config.json").read_text())
-    assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and cfg["fc_norm"] is True  # served with it
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [
         {"role": "user", "content": ex["question"]}, {"role": "assistant", "content": ex["answer"]}]})

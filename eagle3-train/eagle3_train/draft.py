@@ -209,6 +209,7 @@ def build_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t: torch
         return build_mla_draft(target, target_cfg, aux_layer_ids=aux_layer_ids, d2t=d2t, t2d=t2d, weights=weights,
                                hidden_size=hidden_size, intermediate_size=intermediate_size, num_layers=num_layers,
                                num_heads=num_heads, dims=mla_dims, norm_before_residual=norm_before_residual,
+                               fc_norm=norm_before_fc,
                                speculative_tokens=speculative_tokens, train_embeddings=train_embeddings,
                                train_lm_head=train_lm_head, attn_impl=attn_impl, init_std=init_std, seed=seed)
     from speculators.config import SpeculatorsConfig, VerifierConfig

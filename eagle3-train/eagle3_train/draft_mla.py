@@ -128,13 +128,17 @@ class MlaDraftConfig:
     """What the pipeline reads from a draft's `config` (the speculators config's fields it uses)."""
 
     def __init__(self, layer, *, draft_vocab_size: int, target_hidden_size: int, aux_layer_ids: list[int],
-                 norm_before_residual: bool, speculative_tokens: int, verifier: str, embed_requires_grad: bool):
+                 norm_before_residual: bool, speculative_tokens: int, verifier: str, embed_requires_grad: bool,
+                 fc_norm: bool = False):
         self.transformer_layer_config = layer
         self.draft_vocab_size = int(draft_vocab_size)
         self.target_hidden_size = int(target_hidden_size)
         self.eagle_aux_hidden_state_layer_ids = list(aux_layer_ids)
         self.norm_before_residual = bool(norm_before_residual)
         self.norm_output = False
+        # vLLM's deepseek_eagle3 offers one normalisation before fc: an RMSNorm per aux layer's chunk
+        # (`fc_norm`), not the Llama draft's single norm over the concatenation (`norm_before_fc`).
+        self.fc_norm = bool(fc_norm)
         self.speculative_tokens = int(speculative_tokens)
         self.verifier = str(verifier)
         self.embed_requires_grad = embed_requires_grad
@@ -161,7 +165,7 @@ class MlaDraftConfig:
             "num_aux_hidden_states": n_aux,
             "eagle_aux_hidden_state_layer_ids": self.eagle_aux_hidden_state_layer_ids,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": self.eagle_aux_hidden_state_layer_ids},
-            "norm_before_residual": self.norm_before_residual, "norm_output": False, "fc_norm": False,
+            "norm_before_residual": self.norm_before_residual, "norm_output": False, "fc_norm": self.fc_norm,
             "dtype": str(dtype).removeprefix("torch."),
             META: {"draft_arch": "mla", "speculative_tokens": self.speculative_tokens, "verifier": self.verifier},
         }
@@ -187,8 +191,9 @@ class MlaDraft(nn.Module):
         self.rotary_emb = DeepseekV3RotaryEmbedding(lc)
         self.norm = DeepseekV3RMSNorm(h, eps=lc.rms_norm_eps)
         self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
-        self.input_norm = None  # norm_before_fc / fc_norm: not offered for the MLA layer
-        self.fc_norm = None
+        self.input_norm = None  # the Llama draft's norm_before_fc; this layer's is fc_norm
+        self.fc_norm = nn.ModuleList([DeepseekV3RMSNorm(config.target_hidden_size, eps=lc.rms_norm_eps)
+                                      for _ in range(n_aux)]) if config.fc_norm else None
         self.verifier_vocab_size = vocab_size
         self.use_draft_vocab = config.draft_vocab_size != vocab_size
         if self.use_draft_vocab:
@@ -226,7 +231,7 @@ class MlaDraft(nn.Module):
 
 def build_mla_draft(target, target_cfg, *, aux_layer_ids, d2t, t2d, weights, hidden_size=None,
                     intermediate_size=None, num_layers=1, num_heads=None, dims=None,
-                    norm_before_residual=False, speculative_tokens=3, train_embeddings=False,
+                    norm_before_residual=False, fc_norm=False, speculative_tokens=3, train_embeddings=False,
                     train_lm_head=False, attn_impl="sdpa", init_std=0.02, seed=0) -> MlaDraft:
     """A fresh MLA draft for `target` (build_draft's contract: embed/lm_head from the target when
     as wide, frozen unless asked; a narrower draft learns its own)."""
@@ -239,7 +244,7 @@ def build_mla_draft(target, target_cfg, *, aux_layer_ids, d2t, t2d, weights, hid
     config = MlaDraftConfig(lc, draft_vocab_size=draft_vocab, target_hidden_size=tc.hidden_size,
                             aux_layer_ids=aux_layer_ids, norm_before_residual=norm_before_residual,
                             speculative_tokens=speculative_tokens, verifier=str(target),
-                            embed_requires_grad=train_embeddings)
+                            embed_requires_grad=train_embeddings, fc_norm=fc_norm)
     torch.manual_seed(seed)
     model = MlaDraft(config, vocab)
     for m in model.modules():  # transformers' _init_weights convention for DeepSeek-V3
@@ -282,6 +287,8 @@ def export_mla(model: MlaDraft, out_dir: Path, *, extra: dict | None = None) -> 
             "layers.0.self_attn.o_proj.weight", "layers.0.hidden_norm.weight"}
     if model.use_draft_vocab:
         need |= {"d2t", "t2d"}
+    if model.config.fc_norm:
+        need |= {f"fc_norm.{i}.weight" for i in range(len(model.fc_norm))}
     if missing := need - set(state):
         raise RuntimeError(f"MLA export weights lack {sorted(missing)}")
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -313,7 +320,8 @@ def load_mla_draft(draft_dir: Path, target=None, *, attn_impl: str = "sdpa") -> 
                             aux_layer_ids=cfg["eagle_aux_hidden_state_layer_ids"],
                             norm_before_residual=cfg.get("norm_before_residual", False),
                             speculative_tokens=meta.get("speculative_tokens", 3),
-                            verifier=meta.get("verifier", ""), embed_requires_grad=False)
+                            verifier=meta.get("verifier", ""), embed_requires_grad=False,
+                            fc_norm=cfg.get("fc_norm", False))
     model = MlaDraft(config, cfg["vocab_size"])
     state = load_file(str(draft_dir / "model.safetensors"))
     if "embed_tokens.weight" not in state and target is not None:

@@ -64,6 +64,7 @@ class Flags:
     max_tokens_per_batch: int = 4096
     ttt_steps: int = 3  # 04's default
     draft_arch: str = "auto"  # 04's --draft-arch: auto is the MLA layer for an MLA target, else Llama
+    norm_before_fc: bool = True  # 04's default: n_aux x H norm weights before fc (either layer)
     gpus: int = 8
     gpu_memory_gb: float = 96.0
     train_embeddings: bool = False
@@ -152,7 +153,7 @@ def draft_params(shape: Shape, f: Flags) -> dict[str, int]:
     """A one-layer EAGLE-3 draft as wide as the target (draft.build_draft over speculators', or
     draft_mla.build_mla_draft)."""
     H = shape.hidden
-    return {"fc": f.n_aux * H * H, "layer": layer_params(shape, f), "norm": H,
+    return {"fc": f.n_aux * H * H, "layer": layer_params(shape, f), "norm": H + f.norm_before_fc * f.n_aux * H,
             "lm_head": f.draft_vocab_size * H, "embed": shape.vocab * H}
 
 

@@ -63,8 +63,10 @@ class TrainConfig(StageConfig):
                                                          "(default: all of them)")
     norm_before_residual: bool = setting(False, help="normalise the fused hidden state before the residual "
                                                      "(default: off, as speculators)")
-    norm_before_fc: bool = setting(True, help="RMSNorm over the concatenated aux states before fc (vLLM's Eagle3 "
-                                              "Llama reads it from the export; speculators' default for eagle3)")
+    norm_before_fc: bool = setting(True, help="RMSNorm over the aux states before fc: over their concatenation "
+                                              "for a Llama/Qwen3 layer (vLLM's Eagle3 Llama `norm_before_fc`, "
+                                              "speculators' eagle3 default), one per aux layer for the MLA layer "
+                                              "(deepseek_eagle3's `fc_norm`)")
     train_embeddings: bool = setting(False, help="train embed_tokens too (default: frozen copy of the target's)")
     train_lm_head: bool = setting(False, help="train the draft lm_head too (default: frozen, the target's rows "
                                               "for the draft vocab)")
