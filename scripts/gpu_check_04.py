@@ -6,7 +6,7 @@
 On the bundled tiny trained target (assets/tiny-reasoner; else the seeded random tiny Llama), it
 makes the inputs with the pipeline itself (tokenize -> 02 hf on CUDA -> 03), then trains the draft
 twice on CUDA with bf16 autocast:
-  fast   the CUDA defaults: compiled flex attention + speculators' fused Triton KL loss
+  fast   the CUDA defaults (with --loss kl): compiled flex attention + speculators' fused Triton KL loss
   eager  sdpa attention + eager KL (the CPU paths, on the GPU)
 and records training tokens/s of each (steps after the first two, which compile), whether both
 follow the same loss trajectory (same batches, same init), the validation acceptance estimate,
@@ -85,9 +85,10 @@ def check(args, work: Path) -> dict:
     t0 = time.perf_counter()
     hs, vocab = bench.make_inputs(work, target, args.samples)
     result["inputs_s"] = round(time.perf_counter() - t0, 1)
-    fast = train_once(work, hs, vocab, target, args, "fast", [])
+    kl = ["--loss", "kl"]  # the fused Triton kernel is the KL's (04's default, ce, is plain cross_entropy)
+    fast = train_once(work, hs, vocab, target, args, "fast", kl)
     result["fast"] = fast
-    eager = train_once(work, hs, vocab, target, args, "eager", ["--attn", "sdpa", "--loss-impl", "eager"])
+    eager = train_once(work, hs, vocab, target, args, "eager", [*kl, "--attn", "sdpa", "--loss-impl", "eager"])
     result["eager"] = eager
     finite = all(math.isfinite(x) for x in fast["losses"] + eager["losses"])
     gaps = [abs(a - b) / max(abs(b), 1e-6) for a, b in zip(fast["losses"], eager["losses"])]

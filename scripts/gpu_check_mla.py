@@ -71,7 +71,7 @@ def main(argv=None) -> int:
                 ["--input", str(data), "--model", str(target), "--output-dir", str(hs), "--backend", "hf"])
             load(REPO / "eagle3-train" / "03_build_vocab_mapping.py", "s03").main(
                 ["--data", str(data), "--target", str(target), "--output-dir", str(vocab), "--draft-vocab-size", "256"])
-            mla = ["--draft-arch", "mla"]
+            mla = ["--draft-arch", "mla", "--loss", "kl"]  # kl: the loss the fused Triton kernel computes
             result["fast"] = fast = check04.train_once(work, hs, vocab, target, args, "fast", mla)
             result["eager"] = eager = check04.train_once(work, hs, vocab, target, args, "eager",
                                                          [*mla, "--attn", "sdpa", "--loss-impl", "eager"])

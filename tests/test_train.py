@@ -195,22 +195,23 @@ def test_damaged_shards_are_refused_naming_the_shard(inputs, tmp_path):
     assert not (tmp_path / "b" / "manifest.json").exists()
 
 
-def test_topk_targets_give_the_same_loss_as_hidden_states(inputs, tmp_path, llama_target_dir):
+@pytest.mark.parametrize("loss", ["ce", "kl"])
+def test_topk_targets_give_the_same_loss_as_hidden_states(inputs, tmp_path, llama_target_dir, loss):
     """A store keeping the target's full top-k (k = vocab) instead of its last hidden state trains
-    on the same distribution: the loss of one batch matches the dense path's."""
+    on the same distribution: the loss of one batch matches the dense path's, for either loss."""
     from eagle3_train.hidden_store import HiddenStates
 
     topk_store = build_store(tmp_path / "topk", llama_target_dir, n=20, shard_size=7, topk=500)
     dense, sparse = HiddenStates(inputs["store"]), HiddenStates(topk_store)
-    config = stage.parse_args(argv(inputs, tmp_path / "x"))
+    config = stage.parse_args(argv(inputs, tmp_path / "x", "--loss", loss))
     inp = open_inputs(config)
     model = build_model(config, inp, Dist())
     draft, head, core = model.draft, model.head, model.objective
-    assert not inp.topk
+    assert not inp.topk and core.loss == loss
     ids = dense.ids[:3]
     b1 = prepare(collate(dense, ids, 256, [0, 1, 2]), head, 3)
     _, loss1, m1 = core(b1)
-    core_topk = Objective(draft, 3, [1.0] * 3, "eager", True, _tgt2draft(draft))
+    core_topk = Objective(draft, 3, [1.0] * 3, "eager", True, _tgt2draft(draft), loss=loss)
     b2 = prepare(collate(sparse, ids, 256, [0, 1, 2]), None, 3)
     assert b2.last is None and b2.topk_ids.shape[1] == 500
     _, loss2, m2 = core_topk(b2)
@@ -372,11 +373,11 @@ def test_trains_on_inputs_from_the_real_02_and_03_stages(tmp_path, llama_target_
 
 @pytest.mark.gpu
 def test_cuda_fast_paths_follow_the_eager_paths(inputs, tmp_path):
-    """On CUDA the defaults are compiled flex attention + speculators' fused Triton KL in bf16;
+    """On CUDA the defaults are compiled flex attention + (with --loss kl) speculators' fused Triton KL in bf16;
     on the same batches they follow sdpa + eager KL. CPU twins: the runs above (sdpa + eager) and
     test_draft's flex-vs-sdpa logits check."""
-    train(inputs, tmp_path / "fast", "--device", "cuda", "--max-steps", "4")
-    train(inputs, tmp_path / "eager", "--device", "cuda", "--attn", "sdpa", "--loss-impl", "eager",
+    train(inputs, tmp_path / "fast", "--device", "cuda", "--loss", "kl", "--max-steps", "4")
+    train(inputs, tmp_path / "eager", "--device", "cuda", "--loss", "kl", "--attn", "sdpa", "--loss-impl", "eager",
           "--max-steps", "4")
     fast = [r["loss"] for r in read_metrics(tmp_path / "fast")["train"]]
     eager = [r["loss"] for r in read_metrics(tmp_path / "eager")["train"]]

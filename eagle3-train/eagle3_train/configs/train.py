@@ -77,8 +77,9 @@ class TrainConfig(StageConfig):
     # -- objective
     ttt_steps: int = setting(3, help="training-time-test steps: chained draft tokens the loss unrolls (vLLM's "
                                      "usual 3 speculative tokens)")
-    loss: str = setting("kl", help="per-step loss: forward KL to the target's distribution (kl) or cross-entropy "
-                                   "on the target's greedy token (ce)")
+    loss: str = setting("ce", help="per-step loss: cross-entropy on the target's most likely token (ce: what "
+                                   "vLLM's greedy-drafting eagle3 accepts, at any temperature) or forward KL to "
+                                   "the target's distribution (kl, speculators')")
     ttt_decay: str = setting("1.0", help="per-step loss weights: g (step k weighs g**k) or a comma list")
 
     # -- optimisation
