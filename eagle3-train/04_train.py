@@ -50,6 +50,7 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--aux-layer-ids", type=_ids, **C.arg("aux_layer_ids"))
     g.add_argument("--norm-before-residual", action="store_true", **C.arg("norm_before_residual"))
     g.add_argument("--norm-before-fc", action=argparse.BooleanOptionalAction, **C.arg("norm_before_fc"))
+    g.add_argument("--norm-output", action=argparse.BooleanOptionalAction, **C.arg("norm_output"))
     g.add_argument("--train-embeddings", action="store_true", **C.arg("train_embeddings"))
     g.add_argument("--train-lm-head", action="store_true", **C.arg("train_lm_head"))
     g.add_argument("--num-speculative-tokens", type=int, **C.arg("num_speculative_tokens"))

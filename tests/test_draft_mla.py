@@ -96,9 +96,10 @@ def test_ttt_attention_stays_in_its_document_and_causal(twin):
     assert not torch.allclose(ref[0], ref[1])
 
 
-@pytest.mark.parametrize("fc_norm", [False, True])  # 04's --norm-before-fc: deepseek_eagle3's per-aux fc_norm
-def test_export_is_vllms_deepseek_eagle3_format_and_loads_back_identically(twin, tmp_path, fc_norm):
-    model = make(twin, speculative_tokens=4, norm_before_fc=fc_norm).eval()
+# 04's --norm-before-fc: deepseek_eagle3's per-aux fc_norm; --norm-output: the post-norm state fed back
+@pytest.mark.parametrize("fc_norm,norm_output", [(False, False), (True, False), (True, True)])
+def test_export_is_vllms_deepseek_eagle3_format_and_loads_back_identically(twin, tmp_path, fc_norm, norm_output):
+    model = make(twin, speculative_tokens=4, norm_before_fc=fc_norm, norm_output=norm_output).eval()
     with torch.no_grad():  # a trained-looking draft: not the initialisation's symmetry
         for p in model.layers.parameters():
             p.add_(0.01 * torch.randn_like(p))
@@ -116,7 +117,7 @@ def test_export_is_vllms_deepseek_eagle3_format_and_loads_back_identically(twin,
     assert cfg["rope_scaling"]["type"] == "yarn" and cfg["rope_scaling"]["factor"] == 64.0
     assert cfg["eagle_aux_hidden_state_layer_ids"] == AUX and cfg["num_aux_hidden_states"] == 3
     assert (cfg["draft_vocab_size"], cfg["target_hidden_size"], cfg["norm_before_residual"]) == (64, 64, False)
-    assert cfg["fc_norm"] is fc_norm and cfg["norm_output"] is False
+    assert cfg["fc_norm"] is fc_norm and cfg["norm_output"] is norm_output
     assert cfg["eagle3_train"]["speculative_tokens"] == 4
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
@@ -158,7 +159,7 @@ def test_04_trains_and_exports_an_mla_draft(ds_inputs, tmp_path):
     from eagle3_train.train.metrics import read_metrics
 
     out = tmp_path / "run"
-    run(stage.parse_args(inputs_argv(ds_inputs, out, "--draft-arch", "mla", "--max-steps", "4")))
+    run(stage.parse_args(inputs_argv(ds_inputs, out, "--draft-arch", "mla", "--max-steps", "4", "--norm-output")))
     man = read_manifest(out, "04_train")
     assert man["draft"]["arch"] == "mla" and man["config"]["draft_arch"] == "mla"
     losses = [r["loss"] for r in read_metrics(out)["train"]]
@@ -166,6 +167,7 @@ def test_04_trains_and_exports_an_mla_draft(ds_inputs, tmp_path):
     cfg = json.loads((out / "export" / "config.json").read_text())
     assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and cfg["dtype"] == "bfloat16"
     assert cfg["fc_norm"] is True  # --norm-before-fc's default, as deepseek_eagle3 offers it
+    assert cfg["norm_output"] is True and man["config"]["norm_output"] is True
     assert isinstance(load_mla_draft(out / "export", ds_inputs["target"]), MlaDraft)
 
 

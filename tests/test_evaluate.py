@@ -102,9 +102,10 @@ def test_packing_samples_gives_the_same_proposals_as_one_by_one(store_dir, draft
         assert all(int(t.max()) < 250 for t in alone)  # mapped into the draft's target-id range
 
 
-@pytest.mark.parametrize("norm_before_fc", [False, True])  # its input_norm is sized by fc's input, too
+# input_norm is sized by fc's input, too; norm_output feeds the post-norm state to the next step
+@pytest.mark.parametrize("norm_before_fc,norm_output", [(False, False), (True, False), (True, True)])
 def test_load_draft_reads_04s_export_of_a_draft_narrower_than_the_target(tmp_path, store_dir, llama_target_dir,
-                                                                         norm_before_fc):
+                                                                         norm_before_fc, norm_output):
     from transformers import AutoConfig
 
     from eagle3_train import draft as dr
@@ -116,10 +117,11 @@ def test_load_draft_reads_04s_export_of_a_draft_narrower_than_the_target(tmp_pat
     d2t = ids - torch.arange(len(ids))
     model = dr.build_draft(str(llama_target_dir), cfg, aux_layer_ids=[2, 4, 5], d2t=d2t, t2d=t2d,
                            weights=dr.load_target_weights(llama_target_dir), hidden_size=64,
-                           norm_before_fc=norm_before_fc).eval()
+                           norm_before_fc=norm_before_fc, norm_output=norm_output).eval()
     if norm_before_fc:  # not the init's ones, so a norm that is not loaded shows
         torch.nn.init.normal_(model.input_norm.weight, 1.0, 0.5)
     dr.export_draft(model, tmp_path / "export")
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["norm_output"] is norm_output
     loaded = load_draft(tmp_path / "export", llama_target_dir)
     samples = [HiddenStates(store_dir).get(i) for i in HiddenStates(store_dir).ids[:2]]
     got = draft_step_tokens(loaded, samples, 3)

@@ -198,7 +198,8 @@ def build_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t: torch
                 t2d: torch.Tensor | None, weights: dict | None, arch: str = "llama",
                 hidden_size: int | None = None, intermediate_size: int | None = None, num_layers: int = 1,
                 num_heads: int | None = None, num_kv_heads: int | None = None,
-                norm_before_residual: bool = False, norm_before_fc: bool = False, speculative_tokens: int = 3,
+                norm_before_residual: bool = False, norm_before_fc: bool = False, norm_output: bool = False,
+                speculative_tokens: int = 3,
                 train_embeddings: bool = False, train_lm_head: bool = False, attn_impl: str = "sdpa",
                 init_std: float = 0.02, seed: int = 0, mla_dims: dict | None = None):
     """A fresh draft for `target`. `weights` (from load_target_weights) seed embed_tokens and
@@ -209,7 +210,7 @@ def build_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t: torch
         return build_mla_draft(target, target_cfg, aux_layer_ids=aux_layer_ids, d2t=d2t, t2d=t2d, weights=weights,
                                hidden_size=hidden_size, intermediate_size=intermediate_size, num_layers=num_layers,
                                num_heads=num_heads, dims=mla_dims, norm_before_residual=norm_before_residual,
-                               fc_norm=norm_before_fc,
+                               fc_norm=norm_before_fc, norm_output=norm_output,
                                speculative_tokens=speculative_tokens, train_embeddings=train_embeddings,
                                train_lm_head=train_lm_head, attn_impl=attn_impl, init_std=init_std, seed=seed)
     from speculators.config import SpeculatorsConfig, VerifierConfig
@@ -224,7 +225,8 @@ def build_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t: torch
     draft_vocab = vocab if d2t is None else int(d2t.shape[0])
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=lc, draft_vocab_size=draft_vocab,
-        norm_before_residual=norm_before_residual, norm_before_fc=norm_before_fc, target_hidden_size=tc.hidden_size,
+        norm_before_residual=norm_before_residual, norm_before_fc=norm_before_fc, norm_output=norm_output,
+        target_hidden_size=tc.hidden_size,
         eagle_aux_hidden_state_layer_ids=list(aux_layer_ids), embed_requires_grad=train_embeddings,
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3",
@@ -350,7 +352,7 @@ def export_draft(model, out_dir: Path, *, extra: dict | None = None) -> Path:
             "draft_vocab_size": model.config.draft_vocab_size,
             "target_hidden_size": model.config.target_hidden_size,
             "norm_before_residual": model.config.norm_before_residual,
-            "norm_before_fc": model.config.norm_before_fc}
+            "norm_before_fc": model.config.norm_before_fc, "norm_output": model.config.norm_output}
     for key, val in want.items():
         if cfg.get(key) != val:
             raise RuntimeError(f"export config.json has {key}={cfg.get(key)!r}, expected {val!r}")

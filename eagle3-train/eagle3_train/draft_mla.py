@@ -129,13 +129,13 @@ class MlaDraftConfig:
 
     def __init__(self, layer, *, draft_vocab_size: int, target_hidden_size: int, aux_layer_ids: list[int],
                  norm_before_residual: bool, speculative_tokens: int, verifier: str, embed_requires_grad: bool,
-                 fc_norm: bool = False):
+                 fc_norm: bool = False, norm_output: bool = False):
         self.transformer_layer_config = layer
         self.draft_vocab_size = int(draft_vocab_size)
         self.target_hidden_size = int(target_hidden_size)
         self.eagle_aux_hidden_state_layer_ids = list(aux_layer_ids)
         self.norm_before_residual = bool(norm_before_residual)
-        self.norm_output = False
+        self.norm_output = bool(norm_output)
         # vLLM's deepseek_eagle3 offers one normalisation before fc: an RMSNorm per aux layer's chunk
         # (`fc_norm`), not the Llama draft's single norm over the concatenation (`norm_before_fc`).
         self.fc_norm = bool(fc_norm)
@@ -165,7 +165,8 @@ class MlaDraftConfig:
             "num_aux_hidden_states": n_aux,
             "eagle_aux_hidden_state_layer_ids": self.eagle_aux_hidden_state_layer_ids,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": self.eagle_aux_hidden_state_layer_ids},
-            "norm_before_residual": self.norm_before_residual, "norm_output": False, "fc_norm": self.fc_norm,
+            "norm_before_residual": self.norm_before_residual, "norm_output": self.norm_output,
+            "fc_norm": self.fc_norm,
             "dtype": str(dtype).removeprefix("torch."),
             META: {"draft_arch": "mla", "speculative_tokens": self.speculative_tokens, "verifier": self.verifier},
         }
@@ -231,7 +232,8 @@ class MlaDraft(nn.Module):
 
 def build_mla_draft(target, target_cfg, *, aux_layer_ids, d2t, t2d, weights, hidden_size=None,
                     intermediate_size=None, num_layers=1, num_heads=None, dims=None,
-                    norm_before_residual=False, fc_norm=False, speculative_tokens=3, train_embeddings=False,
+                    norm_before_residual=False, fc_norm=False, norm_output=False, speculative_tokens=3,
+                    train_embeddings=False,
                     train_lm_head=False, attn_impl="sdpa", init_std=0.02, seed=0) -> MlaDraft:
     """A fresh MLA draft for `target` (build_draft's contract: embed/lm_head from the target when
     as wide, frozen unless asked; a narrower draft learns its own)."""
@@ -244,7 +246,7 @@ def build_mla_draft(target, target_cfg, *, aux_layer_ids, d2t, t2d, weights, hid
     config = MlaDraftConfig(lc, draft_vocab_size=draft_vocab, target_hidden_size=tc.hidden_size,
                             aux_layer_ids=aux_layer_ids, norm_before_residual=norm_before_residual,
                             speculative_tokens=speculative_tokens, verifier=str(target),
-                            embed_requires_grad=train_embeddings, fc_norm=fc_norm)
+                            embed_requires_grad=train_embeddings, fc_norm=fc_norm, norm_output=norm_output)
     torch.manual_seed(seed)
     model = MlaDraft(config, vocab)
     for m in model.modules():  # transformers' _init_weights convention for DeepSeek-V3
@@ -321,7 +323,7 @@ def load_mla_draft(draft_dir: Path, target=None, *, attn_impl: str = "sdpa") -> 
                             norm_before_residual=cfg.get("norm_before_residual", False),
                             speculative_tokens=meta.get("speculative_tokens", 3),
                             verifier=meta.get("verifier", ""), embed_requires_grad=False,
-                            fc_norm=cfg.get("fc_norm", False))
+                            fc_norm=cfg.get("fc_norm", False), norm_output=cfg.get("norm_output", False))
     model = MlaDraft(config, cfg["vocab_size"])
     state = load_file(str(draft_dir / "model.safetensors"))
     if "embed_tokens.weight" not in state and target is not None:

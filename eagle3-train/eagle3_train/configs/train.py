@@ -62,7 +62,10 @@ class TrainConfig(StageConfig):
     aux_layer_ids: list[int] | None = setting(None, help="aux layers the draft reads, a subset of the store's "
                                                          "(default: all of them)")
     norm_before_residual: bool = setting(False, help="normalise the fused hidden state before the residual "
-                                                     "(default: off, as speculators)")
+                                                     "(default: off; speculators' eagle3 CLI turns it on)")
+    norm_output: bool = setting(False, help="feed the final-normed hidden state, not the pre-norm one, to the "
+                                            "next TTT step (vLLM reads `norm_output` from the export; "
+                                            "speculators' eagle3 CLI turns it on)")
     norm_before_fc: bool = setting(True, help="RMSNorm over the aux states before fc: over their concatenation "
                                               "for a Llama/Qwen3 layer (vLLM's Eagle3 Llama `norm_before_fc`, "
                                               "speculators' eagle3 default), one per aux layer for the MLA layer "

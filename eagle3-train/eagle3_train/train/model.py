@@ -44,6 +44,7 @@ def make_draft(config: TrainConfig, inp: Inputs, weights: dict, attn: str = "sdp
                          intermediate_size=config.draft_intermediate_size, num_layers=config.draft_layers,
                          num_heads=config.draft_heads, num_kv_heads=config.draft_kv_heads,
                          norm_before_residual=config.norm_before_residual, norm_before_fc=config.norm_before_fc,
+                         norm_output=config.norm_output,
                          speculative_tokens=config.num_speculative_tokens,
                          train_embeddings=config.train_embeddings, train_lm_head=config.train_lm_head,
                          attn_impl=ATTN_IMPL[attn], seed=config.seed,
