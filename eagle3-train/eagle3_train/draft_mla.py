@@ -36,7 +36,6 @@ ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 # (vllm/config/speculative.py:679, hf_config_override: model_type -> deepseek_mtp, then
 # "Eagle3DeepSeekMTPModel ... not supported"). Same fields; our loader reads them as DeepSeek-V3's.
 MODEL_TYPE = "deepseek_v2"
-# The target's MLA dimensions the draft inherits (q_lora_rank may be None: q_proj instead of q_a/q_b).
 META = "eagle3_train"
 
 

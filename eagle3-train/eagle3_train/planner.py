@@ -315,7 +315,7 @@ def dry_run_train(cfg) -> int:
               n_aux=len(cfg.aux_layer_ids or store.get("aux_layer_ids") or [0, 0, 0]),
               draft_vocab_size=int((mapping.get("counts") or {}).get("draft_vocab_size") or shape.vocab),
               max_tokens_per_batch=cfg.max_tokens_per_batch, ttt_steps=cfg.ttt_steps, epochs=cfg.epochs,
-              optimizer=cfg.optimizer, draft_arch=cfg.draft_arch,
+              optimizer=cfg.optimizer, draft_arch=cfg.draft_arch, norm_before_fc=cfg.norm_before_fc,
               train_embeddings=cfg.train_embeddings, train_lm_head=cfg.train_lm_head,
               attn="flex" if cfg.attn in ("auto", "flex") else cfg.attn)
     s = plan(shape, f)["stages"]["04"]
