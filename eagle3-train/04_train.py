@@ -77,6 +77,7 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--window-tokens", type=int, **C.arg("window_tokens"))
     g.add_argument("--window-context", type=int, **C.arg("window_context"))
     g.add_argument("--grad-accum", type=int, **C.arg("grad_accum"))
+    g.add_argument("--group-tokens", type=int, **C.arg("group_tokens"))
     g.add_argument("--epochs", type=int, **C.arg("epochs"))
     g.add_argument("--budget", **C.arg("budget"))
     g.add_argument("--max-steps", type=int, **C.arg("max_steps"))

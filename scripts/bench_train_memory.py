@@ -65,6 +65,8 @@ def measure(trainer) -> dict:
     batches = trainer.loader.step(0)
     batch = max(batches, key=lambda b: int(b.ids.shape[1]))
     tokens = int(batch.ids.shape[1])  # S, padded: what the step's tensors are sized by
+    # One forward over the batch, as the planner sizes it (flex on GPU; --group-tokens groups only
+    # dense attention, and holds less)
     batch = prepare(batch.to(d.device, d.dtype), model.head, trainer.config.ttt_steps)
     exclude |= {v.untyped_storage().data_ptr() for v in vars(batch).values() if isinstance(v, torch.Tensor)}
     for o in trainer.optimizers:

@@ -20,6 +20,11 @@ MLA_FIELDS = tuple(f"draft_{k}" for k in ("q_lora_rank", "kv_lora_rank", "qk_nop
                                           "v_head_dim"))
 OPTIMIZERS = ("muon", "adamw")
 LOSSES = ("kl", "ce")
+# Dense attention scores every pair of positions in a packed batch, though only pairs inside one
+# sample count: forwards over groups of at most this many tokens cut that waste. On the benchmark's
+# 4,096-token batches (1 CPU thread, scripts/bench_group_tokens.py) 512 trains 4.5x the tokens/s of
+# one forward, 256 5.1x, 1024 3.1x; 512 leaves room for samples longer than the benchmark's.
+DENSE_GROUP_TOKENS = 512
 SCHEDULE = "schedule.json"  # the run's chosen length (recipe.choose_length), kept so a resume keeps it
 
 
@@ -111,6 +116,12 @@ class TrainConfig(StageConfig):
     window_context: int | None = setting(None, help="positions before each window the draft attends to, "
                                                     "loss masked; below --window-tokens (default: a quarter of it)")
     grad_accum: int = setting(1, help="batches per process per step")
+    group_tokens: int | None = setting(
+        None, help="with dense attention (sdpa, eager) run a batch as forwards over groups of whole samples of "
+                   "at most this many tokens, one loss and one backward over them all: the same loss and "
+                   "gradients as one forward, without the scores between samples that never attend to each "
+                   "other; 0 = one forward (default: 512 on sdpa/eager; one forward on flex, which skips those "
+                   "blocks itself, and under FSDP across processes)", resume=True)
     epochs: int | None = setting(None, help=f"passes over the training split (default: enough to reach "
                                             f"{MIN_STEPS} optimizer steps, at most {MAX_EPOCHS}; see --budget)")
     budget: str | None = setting(None, help="train for a time (2h, 30m), tokens (5M) or steps (3000); epochs "
@@ -141,6 +152,8 @@ class TrainConfig(StageConfig):
         for name in ("ttt_steps", "max_tokens_per_batch", "grad_accum", "save_every", "log_every",
                      "draft_layers", "num_speculative_tokens", "keep_last"):
             require(getattr(self, name) >= 1, f"--{_flag(name)} must be at least 1, not {getattr(self, name)}")
+        require(self.group_tokens is None or self.group_tokens >= 0,
+                f"--group-tokens must be 0 (one forward) or more, not {self.group_tokens}")
         require(self.max_sample_tokens is None or self.max_sample_tokens >= 2,
                 f"--max-sample-tokens must be at least 2, not {self.max_sample_tokens}")
         require(self.window_tokens >= 0, f"--window-tokens must be at least 0, not {self.window_tokens}")
@@ -196,6 +209,21 @@ class TrainConfig(StageConfig):
         loss_impl = self.loss_impl if self.loss_impl != "auto" else ("fused" if cuda else "eager")
         require(loss_impl != "fused" or cuda, "--loss-impl fused needs CUDA (a Triton kernel); use eager")
         return {"attn": attn, "loss_impl": loss_impl}
+
+    def resolve_group_tokens(self, attn: str, world: int) -> int | None:
+        """Tokens per forward within a batch (None: the whole batch in one), for the attention
+        kernel `kernels` resolved; what cannot be split is refused."""
+        if self.group_tokens == 0:
+            return None
+        if self.group_tokens is None:
+            # FSDP gathers a layer's weights at every call of it: ranks must call it equally often
+            return None if attn == "flex" or (self.distributed == "fsdp" and world > 1) else DENSE_GROUP_TOKENS
+        require(attn != "flex", "--group-tokens applies to sdpa/eager attention; flex skips the blocks "
+                                "between samples itself (pass 0 or leave it out)")
+        require(not (self.distributed == "fsdp" and world > 1),
+                "--group-tokens needs every rank to run its layers equally often, which FSDP's "
+                "gathers need and uneven groups break: use --distributed ddp or 0")
+        return self.group_tokens
 
     def to_dict(self) -> dict:
         """As saved in run.json and the manifest: local paths made absolute (a resume from another

@@ -124,6 +124,7 @@ class Batch:
     targets: torch.Tensor | None = None  # [S, K] target logits over the draft vocab
     ref: torch.Tensor | None = None  # [T] target's greedy token for position t+1
     rows: list = field(default_factory=list)  # per step: shifted positions with a valid target
+    spans: list | None = None  # [(start, end)] groups of whole samples run as separate forwards (None: one)
 
     def to(self, device, dtype) -> Batch:
         """On `device`; the hidden states (aux, last) in `dtype`."""

@@ -84,6 +84,7 @@ class Trainer:
         self.model = build_model(config, inp, d)
         self.optimizers = build_optimizers(config, self.model.objective, d.cuda)
         self.loader = Loader(inp.store, first, config, inp.aux_index, d.rank, d.world, self.model.kernels["attn"])
+        self.group_tokens = config.resolve_group_tokens(self.model.kernels["attn"], d.world)
         self.length = self.choose_length(first)
         self.plan = first if self.length["epochs"] == 1 else make_plan(inp.store, config, per_step,
                                                                        epochs=self.length["epochs"])
@@ -211,7 +212,7 @@ class Trainer:
         loss, parts = 0.0, []
         for i, batch in enumerate(micro_batches):
             # Targets from the frozen head outside the wrapped model: DDP never broadcasts it.
-            batch = prepare(batch.to(d.device, d.dtype), model.head, self.config.ttt_steps)
+            batch = prepare(batch.to(d.device, d.dtype), model.head, self.config.ttt_steps, self.group_tokens)
             with model.sync(last=i + 1 == len(micro_batches)):
                 with d.autocast():
                     draft_tokens, batch_loss, metrics = model.wrapped(batch)
@@ -234,7 +235,7 @@ class Trainer:
         with torch.no_grad():
             for i in range(-(-len(batches) // d.world)):
                 batch = self.loader.collate(mine[i] if i < len(mine) else batches[0]).to(d.device, d.dtype)
-                batch = prepare(batch, model.head, self.config.ttt_steps)
+                batch = prepare(batch, model.head, self.config.ttt_steps, self.group_tokens)
                 with d.autocast():
                     draft_tokens, loss, metrics = model.wrapped(batch)
                 if i < len(mine):
@@ -274,7 +275,9 @@ class Trainer:
               f"batch of their own, longest {cut['longest']:,} tokens), {plan.steps_in(0)} steps/epoch x "
               f"{self.length['epochs']} epochs -> {self.total_steps} steps; "
               f"{sum(p.numel() for p in model.parameters):,} trainable parameters; device {self.d.device} "
-              f"x{self.d.world}; attention {model.kernels['attn']}, loss {model.kernels['loss_impl']}; "
+              f"x{self.d.world}; attention {model.kernels['attn']}"
+              + (f" over groups of samples of at most {self.group_tokens} tokens" if self.group_tokens else "")
+              + f", loss {model.kernels['loss_impl']}; "
               f"{'top-k' if self.inp.topk else 'hidden-state'} targets"
               + (f"; resuming at step {self.step}" if self.step else ""))
         c = self.config

@@ -70,34 +70,65 @@ class Objective(nn.Module):
     def forward(self, b: Batch):
         """(per-step greedy draft ids [S] (0 where step k has no target), the weighted loss,
         {"loss_sum": per-step loss sums [K], "loss_cnt": per-step counts [K]}). The head runs only
-        on the rows that have a target: prompt tokens and document ends cost no lm_head."""
-        total = None
-        loss_sum, loss_cnt, preds = [], [], []
-        for k, state in enumerate(unroll(self.draft, b.aux, b.ids, b.pos, b.doc, self.steps, states=True)):
-            rows = b.rows[k]
-            pred = torch.zeros(state.shape[1], dtype=torch.long, device=state.device)
-            if rows.numel():
-                lg = head(self.draft, state[0, rows])
+        on the rows that have a target: prompt tokens and document ends cost no lm_head. With
+        `b.spans` the draft runs once per group of whole samples (nothing attends across samples,
+        so the states are the same) and each step's loss is still the mean over the whole batch."""
+        S = b.aux.shape[1]
+        sums = [[] for _ in range(self.steps)]
+        cnts = [[] for _ in range(self.steps)]
+        preds = [torch.zeros(S, dtype=torch.long, device=b.aux.device) for _ in range(self.steps)]
+        last = [None] * self.steps
+        for a, e in b.spans or [(0, S)]:
+            states = unroll(self.draft, b.aux[:, a:e], b.ids[:, a:e], b.pos[:, a:e], b.doc[a:e], self.steps,
+                            states=True)
+            for k, state in enumerate(states):
+                last[k] = state
+                rows = b.rows[k]
+                if b.spans:  # rows are sorted: this group's are one slice of them
+                    rows = rows[torch.searchsorted(rows, a):torch.searchsorted(rows, e)]
+                if not rows.numel():
+                    continue
+                lg = head(self.draft, state[0, rows - a])
                 per, keep = self.position_loss(lg, b, rows + k)
-                n = keep.sum()
-                s = (per * keep).sum()
+                sums[k].append((per * keep).sum())
+                cnts[k].append(keep.sum())
+                preds[k][rows] = lg.detach().argmax(-1)
+        total = None
+        loss_sum, loss_cnt = [], []
+        for k in range(self.steps):
+            if sums[k]:
+                s, n = torch.stack(sums[k]).sum(), torch.stack(cnts[k]).sum()
                 step_loss = s / n.clamp_min(1)
                 loss_sum.append(s.detach().float())
                 loss_cnt.append(n.float())
-                pred[rows] = lg.detach().argmax(-1)
             else:
-                step_loss = head(self.draft, state[0, :1]).sum() * 0.0  # every parameter in the graph (DDP)
-                loss_sum.append(torch.zeros((), device=state.device))
-                loss_cnt.append(torch.zeros((), device=state.device))
+                step_loss = head(self.draft, last[k][0, :1]).sum() * 0.0  # every parameter in the graph (DDP)
+                loss_sum.append(torch.zeros((), device=b.aux.device))
+                loss_cnt.append(torch.zeros((), device=b.aux.device))
             term = self.weights[k] * step_loss
             total = term if total is None else total + term
-            preds.append(pred)
         return preds, total, {"loss_sum": torch.stack(loss_sum), "loss_cnt": torch.stack(loss_cnt)}
 
 
-def prepare(b: Batch, target_head, steps: int) -> Batch:
+def spans(doc: torch.Tensor, group: int) -> list[tuple[int, int]]:
+    """[(start, end)] of a packed batch cut between samples into groups of at most `group` tokens
+    (a longer sample is a group of its own), in order and covering it; padding (doc -1) goes with
+    the group before it."""
+    d = doc.tolist()
+    starts = [j for j in range(len(d)) if j == 0 or (d[j] != d[j - 1] and d[j] != -1)] + [len(d)]
+    out, a = [], 0
+    for s, e in zip(starts[1:-1], starts[2:], strict=False):
+        if e - a > group:  # the group ending at s is full: sample s..e starts the next one
+            out.append((a, s))
+            a = s
+    out.append((a, len(d)))
+    return out
+
+
+def prepare(b: Batch, target_head, steps: int, group: int | None = None) -> Batch:
     """Targets and reference tokens from the frozen head (outside the wrapped model, so DDP never
-    broadcasts the big lm_head), and the per-step rows that carry a loss."""
+    broadcasts the big lm_head), the per-step rows that carry a loss, and (`group`) the groups of
+    whole samples the draft runs on one at a time."""
     if b.last is not None and target_head is not None:
         b.targets, ref_s = target_head.targets(b.last)
     else:
@@ -109,6 +140,8 @@ def prepare(b: Batch, target_head, steps: int) -> Batch:
     if b.live is not None:  # a window's context positions (and lookahead) are attended to, never trained
         valid &= b.live
     b.rows = [valid[k][b.to_full].nonzero().squeeze(1) for k in range(steps)]
+    if group and b.aux.shape[1] > group:
+        b.spans = spans(b.doc, group)
     return b
 
 
