@@ -238,6 +238,7 @@ def test_real_vllm_extraction_equals_the_hf_backend(tmp_path, tokset, llama_targ
     a, b = hs.HiddenStates(tmp_path / "hf"), hs.HiddenStates(tmp_path / "vl")
     assert len(b.manifest["outputs"]["shards"]) > 2  # requests crossed shard boundaries
     assert a.ids == b.ids and b.manifest["backend"] == "vllm" and b.layer_ids == [2, 4, 5, 8]
+    flipped = compared = 0  # fp16 log-probs one step apart, of all compared
     for sid in a.ids:
         x, y = a.get(sid), b.get(sid)
         assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
@@ -251,4 +252,10 @@ def test_real_vllm_extraction_equals_the_hf_backend(tmp_path, tokset, llama_targ
         else:  # fp8 aux: both encode the same fp32 values; top-k from vLLM's pre-norm last + our head
             assert torch.allclose(x.aux, y.aux, atol=1e-3, rtol=1e-3)
             assert torch.equal(x.topk_ids, y.topk_ids)
-            assert torch.allclose(x.topk_logprobs, y.topk_logprobs, atol=1e-4)
+            # the store keeps log-probs in fp16: a 1e-5 difference upstream (fp32 above) can round a
+            # value to its fp16 neighbour (on an AMD EPYC, 1 of 768) but never further
+            diff = (x.topk_logprobs - y.topk_logprobs).abs()
+            step = torch.pow(2.0, torch.floor(torch.log2(y.topk_logprobs.abs().clamp_min(2 ** -14))) - 10)
+            assert (diff <= step + 1e-6).all(), (sid, float(diff.max()))
+            flipped, compared = flipped + int((diff > 1e-6).sum()), compared + diff.numel()
+    assert flipped <= 0.01 * compared, (flipped, compared)  # rounding, not a different head
