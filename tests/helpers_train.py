@@ -123,3 +123,12 @@ def train_inputs(root: Path, target_dir: Path, *, n: int, shard_size: int, draft
     store = build_store(root / "store", target_dir, n=n, shard_size=shard_size)
     mapping = build_mapping(root / "map", store, target_dir, draft_vocab_size)
     return {"store": store, "map": mapping, "target": target_dir, "root": root}
+
+
+def tgt2draft(draft) -> torch.Tensor:
+    """Target id -> its draft-vocab index (-1 outside), for an Objective on top-k targets."""
+    t2d = draft.t2d.bool()
+    ids = t2d.nonzero().squeeze(1)
+    out = torch.full((t2d.shape[0],), -1, dtype=torch.long)
+    out[ids] = torch.arange(ids.shape[0])
+    return out

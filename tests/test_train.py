@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from helpers import inputs_argv, load_script
-from helpers_train import build_store, train_inputs
+from helpers_train import build_store, tgt2draft, train_inputs
 from safetensors.torch import load_file
 
 from eagle3_train.configs.train import METRICS, STAGE
@@ -211,7 +211,7 @@ def test_topk_targets_give_the_same_loss_as_hidden_states(inputs, tmp_path, llam
     ids = dense.ids[:3]
     b1 = prepare(collate(dense, ids, 256, [0, 1, 2]), head, 3)
     _, loss1, m1 = core(b1)
-    core_topk = Objective(draft, 3, [1.0] * 3, "eager", True, _tgt2draft(draft), loss=loss)
+    core_topk = Objective(draft, 3, [1.0] * 3, "eager", True, tgt2draft(draft), loss=loss)
     b2 = prepare(collate(sparse, ids, 256, [0, 1, 2]), None, 3)
     assert b2.last is None and b2.topk_ids.shape[1] == 500
     _, loss2, m2 = core_topk(b2)
@@ -220,14 +220,6 @@ def test_topk_targets_give_the_same_loss_as_hidden_states(inputs, tmp_path, llam
     # ... and a run on the top-k store trains end to end.
     man = run(stage.parse_args(argv({**inputs, "store": topk_store}, tmp_path / "run", "--max-steps", "3")))
     assert man["counts"]["steps"] == 3 and (tmp_path / "run" / "export" / "model.safetensors").exists()
-
-
-def _tgt2draft(draft):
-    t2d = draft.t2d.bool()
-    ids = t2d.nonzero().squeeze(1)
-    out = torch.full((t2d.shape[0],), -1, dtype=torch.long)
-    out[ids] = torch.arange(ids.shape[0])
-    return out
 
 
 def test_packing_is_deterministic_and_respects_the_budget():

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 from helpers import inputs_argv, load_script
-from helpers_train import build_store, train_inputs
+from helpers_train import build_store, tgt2draft, train_inputs
 
 from eagle3_train.errors import PipelineError
 from eagle3_train.hidden_store import HiddenStates
@@ -66,10 +66,7 @@ def test_a_grouped_forward_is_one_forward(inputs, tmp_path, llama_target_dir, ta
     model = build_model(config, inp, Dist())
     core = model.objective
     if inp.topk:
-        t2d = model.draft.t2d.bool()
-        tgt2draft = torch.full((t2d.shape[0],), -1, dtype=torch.long)
-        tgt2draft[t2d.nonzero().squeeze(1)] = torch.arange(int(t2d.sum()))
-        core = Objective(model.draft, 3, [1.0, 0.8, 0.6], "eager", True, tgt2draft, loss=loss)
+        core = Objective(model.draft, 3, [1.0, 0.8, 0.6], "eager", True, tgt2draft(model.draft), loss=loss)
     hs = HiddenStates(store)
     batch = collate(hs, hs.ids[:6], None, [0, 1, 2])
     lengths = [hs.length(i) - 1 for i in hs.ids[:6]]

@@ -212,7 +212,7 @@ class TrainConfig(StageConfig):
 
     def resolve_group_tokens(self, attn: str, world: int) -> int | None:
         """Tokens per forward within a batch (None: the whole batch in one), for the attention
-        kernel `kernels` resolved; what cannot be split is refused."""
+        kernel that `kernels` resolved to; what cannot be split is refused."""
         if self.group_tokens == 0:
             return None
         if self.group_tokens is None:
