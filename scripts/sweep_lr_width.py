@@ -1,11 +1,21 @@
-"""A short learning-rate sweep of 04 at several draft widths on one store (issue 13: an lr that
-works from the tiny targets up to hidden 7168). Each run is 04 itself, as its own process, for a
-fixed number of steps; the table says whether the loss fell, diverged (non-finite or above its
-start) and the validation AL at the end.
+"""How 04's best learning rate moves with the draft's width (issue 13: a default lr that works from the
+tiny targets up to Kimi-K2.5's hidden 7168), measured on a width ladder.
 
-    uv run python scripts/sweep_lr_width.py --hidden-states runs/demo/02 --vocab-mapping runs/demo/03 \\
-        --target assets/tiny-reasoner --out /tmp/sweep --widths 64,256,1024 --lrs 1e-3,3e-3,1e-2 \\
-        --optimizers muon,adamw --steps 40
+Each rung is one target and its 02 store: the benchmark target itself and the same target lifted to a
+wider residual stream without changing what it computes (eagle3_train.widen; build the rungs with
+scripts/build_wide_target.py), so every rung poses the same problem and only the draft's width
+differs. The draft keeps the proportions of the base target's own draft at every width (MLP width
+over hidden, head size, query heads per key/value head), as a real wider target's draft would. Each point is 04 itself, as
+its own process, for a fixed number of steps; lrs are multiples of 04's default for that width
+(budget.default_lr), so a rule that transfers puts every rung's best at the same multiple.
+
+    uv run python scripts/sweep_lr_width.py --vocab-mapping /work/bench/03 --out /work/sweep-bench \\
+        --rung 256=assets/bench-reasoner:/work/bench/02 \\
+        --rung 512=/work/wide/target-512:/work/wide/02-512:/work/wide/03-512 --multipliers 0.5,1,2 --jobs 2
+
+Writes sweep.json (every point) and sweep.png (validation AL against lr, one curve per width), and
+prints the table and, per width, the best lr of a parabola through log(lr) -> AL around the best point.
+A point already run (its 04 manifest exists) is read back, so the command resumes.
 """
 
 from __future__ import annotations
@@ -15,64 +25,148 @@ import json
 import math
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from eagle3_train.budget import default_lr
+from eagle3_train.errors import PipelineError, run_main
 from eagle3_train.fixtures import REPO_ROOT
+from eagle3_train.manifest import is_complete
+from eagle3_train.store import atomic_write_text
+
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden-states", required=True)
-    p.add_argument("--vocab-mapping", required=True)
-    p.add_argument("--target", required=True)
+    p.add_argument("--rung", action="append", required=True, metavar="WIDTH=TARGET:STORE[:VOCAB]",
+                   help="a width, its target, its 02 store and its 03 output (default: --vocab-mapping); "
+                        "repeatable")
+    p.add_argument("--vocab-mapping", default=None, help="03 output of a rung that names none")
     p.add_argument("--out", type=Path, required=True, help="one 04 run directory per point under it")
-    p.add_argument("--widths", default="64,256,1024", help="draft hidden sizes (default: 64,256,1024)")
-    p.add_argument("--lrs", default="1e-3,3e-3,1e-2", help="peak learning rates (default: 1e-3,3e-3,1e-2)")
-    p.add_argument("--optimizers", default="muon,adamw", help="(default: muon,adamw)")
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default: 40)")
-    p.add_argument("--max-tokens-per-batch", type=int, default=512, help="(default: 512)")
-    p.add_argument("--threads", type=int, default=1, help="(default: 1)")
+    p.add_argument("--multipliers", default="0.5,1,2", help="lrs as multiples of the width's default "
+                                                            "(default: 0.5,1,2)")
+    p.add_argument("--lrs", default="", help="absolute lrs run at every width besides (default: none)")
+    p.add_argument("--steps", type=int, default=150, help="optimizer steps per point (default: 150)")
+    p.add_argument("--max-tokens-per-batch", type=int, default=2048, help="(default: 2048)")
+    p.add_argument("--val-max-samples", type=int, default=200, help="(default: 200)")
+    p.add_argument("--jobs", type=int, default=1, help="points run at once, one thread each (default: 1)")
+    p.add_argument("--extra", default="", help="more 04 flags for every point, one string (default: none)")
     return p.parse_args(argv)
 
 
-def point(a, width: int, lr: str, opt: str) -> dict:
-    out = a.out / f"w{width}-{opt}-lr{lr}"
-    cmd = [sys.executable, str(REPO_ROOT / "eagle3-train" / "04_train.py"), "--hidden-states", a.hidden_states,
-           "--vocab-mapping", a.vocab_mapping, "--target", a.target, "--output-dir", str(out),
-           "--draft-hidden-size", str(width), "--lr", lr, "--optimizer", opt, "--budget", str(a.steps),
-           "--max-tokens-per-batch", str(a.max_tokens_per_batch), "--save-every", str(a.steps),
-           "--log-every", "5", "--val-max-samples", "40", "--threads", str(a.threads), "--quiet"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        return {"width": width, "lr": lr, "optimizer": opt, "error": (r.stderr or r.stdout).strip()[-300:]}
+def parse_rung(text: str, vocab: str | None) -> dict:
+    try:
+        width, rest = text.split("=", 1)
+        target, store, *more = rest.split(":")
+        if len(more) > 1 or not (more or vocab):
+            raise ValueError
+        return {"width": int(width), "target": target, "store": store, "vocab": more[0] if more else vocab}
+    except ValueError:
+        raise PipelineError(f"--rung {text!r}: expected WIDTH=TARGET:STORE:VOCAB (or :STORE with "
+                            f"--vocab-mapping)") from None
+
+
+def shape_flags(target: str, width: int) -> list[str]:
+    """The draft's shape at `width` in the proportions of the draft 04 gives the unwidened target
+    (MLP width / hidden, head size, query heads per key/value head)."""
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    base = cfg.get("widened_from", {}).get("hidden_size", cfg["hidden_size"])
+    head_dim = base // cfg["num_attention_heads"]
+    heads = max(1, width // head_dim)
+    group = cfg["num_attention_heads"] // cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    return ["--draft-intermediate-size", str(cfg["intermediate_size"] * width // base), "--draft-heads", str(heads),
+            "--draft-kv-heads", str(max(1, heads // group))]
+
+
+def points(a) -> list[dict]:
+    out = []
+    for rung in (parse_rung(r, a.vocab_mapping) for r in a.rung):
+        lrs = {float(f"{default_lr(rung['width']) * float(m):.3g}") for m in a.multipliers.split(",") if m}
+        lrs |= {float(x) for x in a.lrs.split(",") if x}
+        out += [{**rung, "lr": lr, "multiplier": lr / default_lr(rung["width"])} for lr in sorted(lrs)]
+    return out
+
+
+def run_point(a, pt: dict) -> dict:
+    out = a.out / f"w{pt['width']}-lr{pt['lr']:g}"
+    if not is_complete(out, "04_train"):
+        cmd = [sys.executable, str(REPO_ROOT / "eagle3-train" / "04_train.py"), "--hidden-states", pt["store"],
+               "--vocab-mapping", pt["vocab"], "--target", pt["target"], "--output-dir", str(out),
+               "--lr", str(pt["lr"]), "--budget", str(a.steps), "--max-tokens-per-batch", str(a.max_tokens_per_batch),
+               "--save-every", str(a.steps), "--log-every", "10", "--val-max-samples", str(a.val_max_samples),
+               "--threads", "1", "--quiet", *shape_flags(pt["target"], pt["width"]), *a.extra.split()]
+        t0 = time.monotonic()
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            return {**pt, "error": ((r.stderr or r.stdout).strip().splitlines() or ["?"])[-1][-300:]}
+        atomic_write_text(out / "wall.json", json.dumps({"wall_s": round(time.monotonic() - t0)}) + "\n")
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     train = [x for x in recs if x.get("kind") == "train"]
     val = [x for x in recs if x.get("kind") == "val"]
-    first, last = train[0]["loss"], train[-1]["loss"]
-    return {"width": width, "lr": lr, "optimizer": opt, "loss_first": first, "loss_last": last,
-            "diverged": not math.isfinite(last) or last > first,
-            "val_al": val[-1]["acceptance_length"] if val else None}
+    wall = json.loads((out / "wall.json").read_text())["wall_s"] if (out / "wall.json").exists() else None
+    return {**pt, "loss_first": train[0]["loss"], "loss_last": train[-1]["loss"],
+            "val_al": val[-1]["acceptance_length"], "val_loss": val[-1]["loss"],
+            "wall_s": wall}
+
+
+def best_lr(rows: list[dict]) -> float | None:
+    """The vertex of a parabola through log(lr) -> AL at the best point and its two neighbours
+    (None at an edge of the grid: the best lies outside it)."""
+    rows = sorted((r for r in rows if "val_al" in r), key=lambda r: r["lr"])
+    i = max(range(len(rows)), key=lambda k: rows[k]["val_al"]) if rows else 0
+    if not 0 < i < len(rows) - 1:
+        return None
+    (x0, y0), (x1, y1), (x2, y2) = [(math.log(r["lr"]), r["val_al"]) for r in rows[i - 1: i + 2]]
+    den = (x0 - x1) * (x0 - x2) * (x1 - x2)
+    a = (x2 * (y1 - y0) + x1 * (y0 - y2) + x0 * (y2 - y1)) / den
+    b = (x2 * x2 * (y0 - y1) + x1 * x1 * (y2 - y0) + x0 * x0 * (y1 - y2)) / den
+    return math.exp(-b / (2 * a)) if a < 0 else None
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for w in sorted({r["width"] for r in rows}):
+        pts = sorted((r["lr"], r["val_al"]) for r in rows if r["width"] == w and "val_al" in r)
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=f"width {w}")
+            ax.axvline(default_lr(w), ls=":", lw=0.8, color=ax.lines[-1].get_color())
+    ax.set_xscale("log")
+    ax.set_xlabel("peak lr (dotted: 04's default for the width)")
+    ax.set_ylabel("validation acceptance length")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    print("| width | optimizer | lr | train loss first -> last | diverged | val AL |\n|---|---|---|---|---|---|",
-          flush=True)
-    for width in [int(w) for w in a.widths.split(",")]:
-        for opt in a.optimizers.split(","):
-            for lr in a.lrs.split(","):
-                r = point(a, width, lr, opt)
-                rows.append(r)
-                if "error" in r:
-                    print(f"| {width} | {opt} | {lr} | error: {r['error']} | | |", flush=True)
-                else:
-                    print(f"| {width} | {opt} | {lr} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} | "
-                          f"{'yes' if r['diverged'] else 'no'} | {r['val_al']:.3f} |", flush=True)
-    (a.out / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
+    todo = points(a)
+    with ThreadPoolExecutor(max(1, a.jobs)) as pool:
+        rows = list(pool.map(lambda pt: run_point(a, pt), todo))
+    atomic_write_text(a.out / "sweep.json", json.dumps(rows, indent=2) + "\n")
+    print("| width | lr | x default | train loss first -> last | val loss | val AL | wall (s) |\n"
+          "|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['width']} | {r['lr']:g} | {r['multiplier']:.2f} | error: {r['error']} | | | |")
+        else:
+            print(f"| {r['width']} | {r['lr']:g} | {r['multiplier']:.2f} | {r['loss_first']:.3f} -> "
+                  f"{r['loss_last']:.3f} | {r['val_loss']:.3f} | {r['val_al']:.3f} | {r['wall_s'] or '-'} |")
+    for w in sorted({r["width"] for r in rows}):
+        b = best_lr([r for r in rows if r["width"] == w])
+        print(f"width {w}: default lr {default_lr(w):.3g}; best lr "
+              + (f"{b:.3g} ({b / default_lr(w):.2f}x the default)" if b else "at an edge of the grid"))
+    plot([r for r in rows if "val_al" in r], a.out / "sweep.png")
+    print(f"wrote {a.out / 'sweep.json'}, {a.out / 'sweep.png'}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

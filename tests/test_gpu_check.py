@@ -22,10 +22,12 @@ def gc():
 def test_arguments_and_their_defaults(gc, tmp_path):
     args = gc.parse_args(["--out", str(tmp_path)])
     assert args.steps == ["02-twin", "04", "05"] and args.budget_s == 560 and args.train_steps == 30
-    assert sum(est for est, _ in gc.STEPS.values()) <= args.budget_s <= 600  # the whole check fits 10 min
+    assert sum(gc.STEPS[s][0] for s in args.steps) <= args.budget_s <= 600  # the default check fits 10 min
+    assert gc.STEPS["04-width"][0] <= args.budget_s  # and so does the width step alone
     assert gc.parse_args(["--only", "05, 04"]).steps == ["05", "04"]
     assert set(gc.RUN) == set(gc.STEPS)  # every listed step has its function
     assert gc.parse_args(["--device", "cpu", "--only", "02-twin"]).device == "cpu"
+    assert gc.parse_args(["--device", "cpu", "--only", "04-width", "--width", "320"]).width == 320
     for bad in (["--only", "03"], ["--only", ","], ["--budget-s", "soon"], ["--device", "cpu"]):
         with pytest.raises(SystemExit) as e:
             gc.parse_args(bad)

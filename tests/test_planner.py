@@ -13,6 +13,7 @@ import pytest
 from helpers import inputs_argv, load_script, make_training_set
 from helpers_train import train_inputs
 
+from eagle3_train import budget as B
 from eagle3_train import planner
 from eagle3_train.manifest import read_manifest
 from eagle3_train.train import run
@@ -157,9 +158,11 @@ def test_dry_runs_print_the_plan_and_write_nothing(tmp_path, trained, k25_tokeni
     assert load_script("02_extract_hidden_states").main(
         ["--input", str(data), "--model", str(llama_target_dir), "--output", str(tmp_path / "s"), "--dry-run"]) == 0
     inputs, _ = trained
-    assert load_script("04_train").main(inputs_argv(inputs, tmp_path / "r", "--dry-run")) == 0
+    assert load_script("04_train").main(inputs_argv(inputs, tmp_path / "r", "--dry-run", lr=None)) == 0
     out = capsys.readouterr().out
     assert "02 plan:" in out and "04 plan:" in out, out
+    hidden = json.loads((Path(inputs["target"]) / "config.json").read_text())["hidden_size"]
+    assert f"lr {B.default_lr(hidden):.3g} (default: " in out  # the width rule, as 04 would choose it
     assert not (tmp_path / "s").exists() and not (tmp_path / "r").exists()
 
 

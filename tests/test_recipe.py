@@ -91,11 +91,11 @@ def test_muon_takes_the_hidden_matrices_adamw_the_rest(llama_target_dir, hidden)
     trainable = {n for n, p in draft.named_parameters() if p.requires_grad}
     assert mnames | rnames == trainable and not mnames & rnames
     cfg = stage.parse_args(["--hidden-states", "h", "--vocab-mapping", "v", "--target", "t", "--out", "o"])
-    muon, adamw = build_optimizers(cfg, draft, cuda=False)
+    muon, adamw = build_optimizers(cfg, draft, cuda=False, lr=3e-3)
     assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
     assert sum(len(g["params"]) for g in muon.param_groups) == len(matrices)
     cfg.optimizer = "adamw"
-    (only,) = build_optimizers(cfg, draft, cuda=False)
+    (only,) = build_optimizers(cfg, draft, cuda=False, lr=3e-3)
     assert sum(len(g["params"]) for g in only.param_groups) == len(trainable)
 
 
@@ -131,6 +131,36 @@ def test_chosen_recipe_is_printed_saved_and_exported(inputs, tmp_path, capsys):
     assert cfg["norm_before_fc"] is True  # what vLLM's Eagle3 Llama reads to apply input_norm
     assert "input_norm.weight" in load_file(str(out / "export" / "model.safetensors"))
     assert json.loads((out / "export" / "training_info.json").read_text())["recipe"] == rec
+
+
+def test_default_lr_falls_as_sqrt_of_the_width():
+    assert B.default_lr(B.LR_REF_WIDTH) == B.LR_REF
+    assert B.default_lr(4 * B.LR_REF_WIDTH) == pytest.approx(B.LR_REF / 2)
+    assert B.default_lr(7168) == pytest.approx(5.67e-4, rel=1e-2)  # Kimi-K2.5's hidden size
+    widths = [16, 64, 256, 1024, 7168]
+    lrs = [B.default_lr(w) for w in widths]
+    assert lrs == sorted(lrs, reverse=True)
+    assert B.choose_lr(1e-3, 7168) == {"lr": 1e-3, "lr_why": "--lr"}  # a given lr is never rescaled
+    auto = B.choose_lr(None, 7168)
+    assert auto["lr"] == 5.67e-4 and "7168" in auto["lr_why"] and auto["lr_why"].startswith("default")
+
+
+def test_default_lr_is_chosen_for_the_drafts_width_recorded_and_kept(inputs, tmp_path, capsys):
+    """No --lr: the rule for the draft's width (the target's, or --draft-hidden-size), printed, in
+    schedule.json and the manifest, and used: the first logged lr follows it."""
+    from transformers import AutoConfig
+
+    width = AutoConfig.from_pretrained(inputs["target"]).hidden_size
+    for out, hidden in ((tmp_path / "same", None), (tmp_path / "narrow", width // 2)):
+        run(stage.parse_args(inputs_argv(inputs, out, lr=None, epochs=None, budget="3", draft_hidden_size=hidden,
+                                         warmup_steps=0, schedule="constant")))
+        want = B.choose_lr(None, hidden or width)
+        assert f"muon lr {want['lr']:g} ({want['lr_why']})" in capsys.readouterr().out
+        man = json.loads((out / "manifest.json").read_text())
+        assert {k: man["recipe"][k] for k in want} == want
+        assert man["config"]["lr"] is None
+        assert {r["lr"] for r in read_metrics(out)["train"]} == {want["lr"]}
+    assert B.choose_lr(None, width)["lr"] != B.choose_lr(None, width // 2)["lr"]
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "adamw"])

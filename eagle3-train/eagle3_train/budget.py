@@ -1,11 +1,13 @@
-"""04's run length, chosen from the config and the data (pure: 04's config validates --budget with
-it before torch is imported).
+"""04's run length and learning rate, chosen from the config, the data and the draft's width (pure:
+04's config validates --budget with it before torch is imported).
 
 - `parse_budget`: `--budget` as a time (`2h`, `30m`, `90s`), a token count (`5M`, `200k tokens`)
   or a step count (`3000`, `3000 steps`); anything else is one `error:` line.
 - `choose_length`: epochs and optimizer steps. Given `--epochs`, those; given a budget, what it
   buys; else (the default) enough epochs that the run reaches `MIN_STEPS` steps, at most
   `MAX_EPOCHS` (issue 13: one epoch of a 2,000-prompt set is 73 steps and trained a useless draft).
+- `choose_lr`: `--lr`, or by default `LR_REF * sqrt(LR_REF_WIDTH / width)` for a draft `width`
+  wide (issue 13: the best lr falls as the draft widens, README "04").
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from .errors import PipelineError
 
 MIN_STEPS = 1000  # optimizer steps a default run reaches (issue 13: ~1,000 steps matched speculators' best)
 MAX_EPOCHS = 10  # ... repeating a small set at most this often
+# The default lr: LR_REF for a draft LR_REF_WIDTH wide, scaled by sqrt(LR_REF_WIDTH / width). Muon's
+# update (match_rms_adamw) has an RMS of 0.2·lr per entry, so its effect on a layer's output grows
+# as sqrt(width); the width ladder (scripts/sweep_lr_width.py --ladder) measured the best lr's fall.
+LR_REF, LR_REF_WIDTH = 3e-3, 256
 
 BUDGET_FORMS = "a time (2h, 30m, 90s), tokens (5M, 200k tokens) or steps (3000, 3000 steps)"
 _TIME = {"h": 3600.0, "m": 60.0, "min": 60.0, "s": 1.0}
@@ -87,3 +93,16 @@ def choose_length(*, epochs: int | None, budget: Budget | None, max_steps: int |
         steps, why = max_steps, f"{why}; --max-steps {max_steps}"
     return {"epochs": n_epochs, "total_steps": steps, "why": why}
 
+
+
+def default_lr(width: int) -> float:
+    """The default peak lr for a draft `width` wide (its hidden size)."""
+    return LR_REF * math.sqrt(LR_REF_WIDTH / width)
+
+
+def choose_lr(lr: float | None, width: int) -> dict:
+    """{"lr", "lr_why"}: `--lr`, or the default for the draft's width."""
+    if lr is not None:
+        return {"lr": float(lr), "lr_why": "--lr"}
+    return {"lr": float(f"{default_lr(width):.3g}"),
+            "lr_why": f"default: {LR_REF:g} x sqrt({LR_REF_WIDTH} / draft width {width})"}

@@ -305,6 +305,7 @@ def dry_run_train(cfg) -> int:
     manifests, the target's config and the flags."""
     from pathlib import Path
 
+    from .budget import choose_lr
     from .manifest import read_manifest
 
     store, mapping = read_manifest(Path(cfg.hidden_states)) or {}, read_manifest(Path(cfg.vocab_mapping)) or {}
@@ -319,7 +320,8 @@ def dry_run_train(cfg) -> int:
               train_embeddings=cfg.train_embeddings, train_lm_head=cfg.train_lm_head,
               attn="flex" if cfg.attn in ("auto", "flex") else cfg.attn)
     s = plan(shape, f)["stages"]["04"]
-    print(f"04 plan: {s['draft']} draft layer; per GPU {s['gpu_memory'] / GB:,.2f} GB at "
+    lr = choose_lr(cfg.lr, cfg.draft_width(shape.hidden))
+    print(f"04 plan: {s['draft']} draft layer, lr {lr['lr']:g} ({lr['lr_why']}); per GPU {s['gpu_memory'] / GB:,.2f} GB at "
           f"{cfg.max_tokens_per_batch} tokens x {cfg.ttt_steps} TTT steps (bf16, flex on CUDA); "
           f"checkpoint {s['checkpoint'] / GB:,.2f} GB, "
           f"export {s['export_bf16'] / GB:,.2f} GB bf16 / {s['export_fp32'] / GB:,.2f} GB fp32; nothing written")

@@ -57,6 +57,20 @@ def text_weight_names(config) -> dict[str, str]:
     return {"embed": "embed_tokens.weight", "lm_head": "lm_head.weight", "norm": "model.norm.weight"}
 
 
+def read_weights(directory: str | Path) -> dict:
+    """Every tensor of a checkpoint directory's *.safetensors files, whole (a tiny target or a
+    draft: a 1T target is read tensor by tensor, draft.load_target_weights)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise PipelineError(f"{directory} has no *.safetensors weights")
+    out = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
 def check_vocab(target_vocab: int, tokenizer_len: int, target: str | Path) -> None:
     """A target may have more embedding rows than its tokenizer has tokens (padding), never fewer:
     the tokenizer's top ids (Kimi's special tokens sit at 163584+) would index past the table."""

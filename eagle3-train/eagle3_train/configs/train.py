@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from ..budget import MAX_EPOCHS, MIN_STEPS, parse_budget
+from ..budget import LR_REF, LR_REF_WIDTH, MAX_EPOCHS, MIN_STEPS, parse_budget
 from ..config import TRAIN, StageConfig, require, setting
 from ..errors import PipelineError
 
@@ -93,7 +93,10 @@ class TrainConfig(StageConfig):
     # -- optimisation
     optimizer: str = setting("muon", help="muon: Muon on the hidden weight matrices (attention, MLP, fc), AdamW on "
                                           "the rest; adamw: AdamW on everything")
-    lr: float = setting(3e-3, help="peak learning rate (Muon's matched to AdamW's update size, so one lr serves both)")
+    lr: float | None = setting(None, help=f"peak learning rate, for both groups (Muon's matched to AdamW's update "
+                                          f"size) (default: {LR_REF:g} x sqrt({LR_REF_WIDTH} / the draft's width): "
+                                          f"{LR_REF:g} at {LR_REF_WIDTH}, 5.7e-4 at Kimi-K2.5's 7168; the best lr "
+                                          f"falls as the draft widens)")
     min_lr_ratio: float = setting(0.0, help="final lr / peak lr")
     schedule: str = setting("cosine", help="decay after warmup")
     warmup_steps: int | None = setting(None, help="warmup steps (default: --warmup-ratio)")
@@ -164,7 +167,7 @@ class TrainConfig(StageConfig):
                 f"--export-dtype must be one of {', '.join(EXPORT_DTYPES)}, not {self.export_dtype!r}")
         require(self.max_steps is None or self.max_steps >= 1, f"--max-steps must be at least 1, not {self.max_steps}")
         require(0 <= self.val_fraction < 1, f"--val-fraction must be in [0, 1), not {self.val_fraction}")
-        require(self.lr > 0, f"--lr must be positive, not {self.lr}")
+        require(self.lr is None or self.lr > 0, f"--lr must be positive, not {self.lr}")
         set_mla = [f"--{_flag(k)}" for k, v in self.mla_dims.items() if v is not None]
         require(self.draft_arch in ("mla", "auto") or not set_mla,
                 f"{', '.join(set_mla)} shape the MLA draft layer only; add --draft-arch mla or drop them")
@@ -176,6 +179,10 @@ class TrainConfig(StageConfig):
                 f"--budget {self.budget} and --epochs {self.epochs} both set the run's length: give one")
         parse_budget(self.budget)
         self.step_weights  # noqa: B018 -- a malformed --ttt-decay is refused before any work
+
+    def draft_width(self, target_hidden: int) -> int:
+        """The draft's hidden size: --draft-hidden-size, or the target's."""
+        return int(self.draft_hidden_size or target_hidden)
 
     @property
     def context_tokens(self) -> int:

@@ -84,23 +84,18 @@ def load_draft(draft_dir: Path, target: Path, *, device: str = "cpu", dtype: str
     (flex attention needs a compile). Built from its config and loaded from its weights directly,
     so a draft narrower than the target (fc of n_aux * target_hidden, see draft.py) loads too;
     embed_tokens comes from the target when the export leaves it out (vLLM shares the target's)."""
-    from safetensors.torch import load_file
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     from ..draft import load_target_weights
     from ..draft_mla import is_mla_export, load_mla_draft
+    from ..target_layout import read_weights
 
     draft_dir = Path(draft_dir)
     if is_mla_export(read_draft_config(draft_dir)):
         return load_mla_draft(draft_dir, target).to(device=device, dtype=DTYPES[dtype]).eval()
     config = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
     config.transformer_layer_config._attn_implementation = "sdpa"
-    files = sorted(draft_dir.glob("*.safetensors"))
-    if not files:
-        raise PipelineError(f"{draft_dir} has no *.safetensors weights")
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
+    state = read_weights(draft_dir)
     model = Eagle3DraftModel(config)
     fc = state.get("fc.weight")
     if fc is not None and fc.shape != model.fc.weight.shape:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from ..budget import choose_length, parse_budget
+from ..budget import choose_length, choose_lr, parse_budget
 from ..configs.train import CKPT_DIR, EXPORT, SCHEDULE, STAGE, TrainConfig
 from ..draft import lr_lambda
-from ..manifest import MANIFEST, read_manifest
+from ..manifest import MANIFEST, read_manifest, text_config
 from ..progress import Progress
 from ..store import atomic_write_json
 from .checkpoint import Checkpointer
@@ -82,7 +82,8 @@ class Trainer:
         per_step = d.world * config.grad_accum
         first = make_plan(inp.store, config, per_step, epochs=1)  # one epoch's steps decide how many
         self.model = build_model(config, inp, d)
-        self.optimizers = build_optimizers(config, self.model.objective, d.cuda)
+        self.lr = self.choose_lr()
+        self.optimizers = build_optimizers(config, self.model.objective, d.cuda, self.lr["lr"])
         self.loader = Loader(inp.store, first, config, inp.aux_index, d.rank, d.world, self.model.kernels["attn"])
         self.group_tokens = config.resolve_group_tokens(self.model.kernels["attn"], d.world)
         self.length = self.choose_length(first)
@@ -98,6 +99,16 @@ class Trainer:
         self.checkpointer = Checkpointer(out, d, interval=config.save_every, keep_last=config.keep_last)
         self.best = {"step": None, "acceptance_length": None}  # by validation acceptance
         self.step = 0
+
+    def choose_lr(self) -> dict:
+        """{"lr", "lr_why"}: --lr or the width rule (budget.choose_lr); a resume keeps the one its
+        first run chose (schedule.json; a run recorded before the rule used --lr, its default 3e-3)."""
+        path = self.out / SCHEDULE
+        if path.exists():
+            kept = json.loads(path.read_text())
+            return {"lr": kept["lr"], "lr_why": kept.get("lr_why", "--lr")}
+        width = self.config.draft_width(text_config(self.inp.target_cfg).hidden_size)
+        return choose_lr(self.config.lr, width)
 
     def choose_length(self, first) -> dict:
         """Epochs and steps (budget.choose_length), kept in schedule.json so a resume keeps them
@@ -117,7 +128,7 @@ class Trainer:
         length = choose_length(epochs=config.epochs, budget=budget, max_steps=config.max_steps,
                                steps_per_epoch=first.steps_in(0), tokens_per_epoch=tokens, seconds_per_step=pace)
         length |= {"steps_per_epoch": first.steps_in(0), "train_tokens_per_epoch": tokens,
-                   "optimizer": config.optimizer, "lr": config.lr, "schedule": config.schedule,
+                   "optimizer": config.optimizer, **self.lr, "schedule": config.schedule,
                    "ttt_steps": config.ttt_steps, "norm_before_fc": config.norm_before_fc, "loss": config.loss,
                    "window_tokens": config.window_tokens, "window_context": config.context_tokens}
         if pace is not None:
@@ -282,7 +293,8 @@ class Trainer:
               + (f"; resuming at step {self.step}" if self.step else ""))
         c = self.config
         print(f"{STAGE}: recipe: {self.total_steps} steps over {self.length['epochs']} epochs "
-              f"({self.length['why']}); {c.optimizer} lr {c.lr:g} {c.schedule}, TTT {c.ttt_steps}, "
+              f"({self.length['why']}); {c.optimizer} lr {self.lr['lr']:g} ({self.lr['lr_why']}) {c.schedule}, "
+              f"TTT {c.ttt_steps}, "
               f"loss {c.loss}, norm_before_fc {'on' if c.norm_before_fc else 'off'}"
               + (f"; training samples as {cut['windows']:,} windows of {c.window_tokens} positions after up to "
                  f"{c.context_tokens} of context (validation: whole samples)" if c.window_tokens else ""), flush=True)

@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from .muon import Muon
+
 # names of 2-D parameters that stay with AdamW: vocabulary-sized lookups and heads (Muon practice)
 ADAMW_MATRICES = ("embed_tokens", "lm_head")
 
@@ -26,19 +28,21 @@ def split_params(module: torch.nn.Module) -> tuple[list[tuple[str, torch.Tensor]
     return matrices, rest
 
 
-def build_optimizers(config, module: torch.nn.Module, cuda: bool) -> list[torch.optim.Optimizer]:
+def build_optimizers(config, module: torch.nn.Module, cuda: bool, lr: float) -> list[torch.optim.Optimizer]:
     """[AdamW] or [Muon, AdamW] (the AdamW one omitted when nothing is left for it). Muon's lr is
-    `--lr` with torch's `match_rms_adamw` adjustment (update RMS as AdamW's, so one lr serves
+    `lr` (--lr or the width rule, budget.choose_lr) with torch's `match_rms_adamw` adjustment (update RMS as AdamW's, so one lr serves
     both groups), momentum 0.95 and weight decay `--muon-weight-decay` (speculators' defaults)."""
-    adamw = dict(lr=config.lr, betas=(config.beta1, config.beta2), weight_decay=config.weight_decay, eps=1e-8,
+    adamw = dict(lr=lr, betas=(config.beta1, config.beta2), weight_decay=config.weight_decay, eps=1e-8,
                  fused=cuda or None)
     if config.optimizer == "adamw":
         return [torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], **adamw)]
     matrices, rest = split_params(module)
     opts: list[torch.optim.Optimizer] = []
     if matrices:
-        opts.append(torch.optim.Muon([p for _, p in matrices], lr=config.lr, momentum=0.95,
-                                     weight_decay=config.muon_weight_decay, adjust_lr_fn="match_rms_adamw"))
+        # bf16 orthogonalisation on a GPU (torch's); fp32 on a CPU, where bf16 matmuls crawl (muon.py)
+        opts.append(Muon([p for _, p in matrices], lr=lr, momentum=0.95,
+                         weight_decay=config.muon_weight_decay, adjust_lr_fn="match_rms_adamw",
+                         ns_dtype=torch.bfloat16 if cuda else torch.float32))
     if rest:
         opts.append(torch.optim.AdamW([p for _, p in rest], **adamw))
     return opts
