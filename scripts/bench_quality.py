@@ -180,8 +180,9 @@ def run_arm(name: str, kind: str, flags: list[str], d: dict, results: Path, args
     if kind == "ours" and complete(arm_dir / "run", TRAIN_STAGE):
         man = json.loads((arm_dir / "run" / "manifest.json").read_text())
         out["steps"] = (man.get("counts") or {}).get("steps")
-        out["resolved"] = {k: man["config"].get(k) for k in ("epochs", "lr", "ttt_steps", "max_tokens_per_batch",
+        out["resolved"] = {k: man["config"].get(k) for k in ("epochs", "ttt_steps", "max_tokens_per_batch",
                                                               "schedule", "warmup_steps") if k in man["config"]}
+        out["resolved"]["lr"] = (man.get("recipe") or {}).get("lr", man["config"].get("lr"))  # as chosen
     atomic_write_text(done, json.dumps(out, indent=2) + "\n")
     return out
 

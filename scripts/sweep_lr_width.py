@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from eagle3_train.budget import default_lr
+from eagle3_train.budget import LR_WIDTH_EXPONENT, default_lr
 from eagle3_train.errors import PipelineError, run_main
 from eagle3_train.fixtures import REPO_ROOT
 from eagle3_train.manifest import is_complete
@@ -52,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--val-max-samples", type=int, default=200, help="(default: 200)")
     p.add_argument("--jobs", type=int, default=1, help="points run at once, one thread each (default: 1)")
     p.add_argument("--extra", default="", help="more 04 flags for every point, one string (default: none)")
+    p.add_argument("--report-only", action="store_true", help="run nothing: the table and plot from the points "
+                                                              "already in --out")
     return p.parse_args(argv)
 
 
@@ -88,8 +90,12 @@ def points(a) -> list[dict]:
     return out
 
 
+def point_dir(a, pt: dict) -> Path:
+    return a.out / f"w{pt['width']}-lr{pt['lr']:g}"
+
+
 def run_point(a, pt: dict) -> dict:
-    out = a.out / f"w{pt['width']}-lr{pt['lr']:g}"
+    out = point_dir(a, pt)
     if not is_complete(out, "04_train"):
         cmd = [sys.executable, str(REPO_ROOT / "eagle3-train" / "04_train.py"), "--hidden-states", pt["store"],
                "--vocab-mapping", pt["vocab"], "--target", pt["target"], "--output-dir", str(out),
@@ -124,22 +130,34 @@ def best_lr(rows: list[dict]) -> float | None:
     return math.exp(-b / (2 * a)) if a < 0 else None
 
 
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys on xs."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+
+
 def plot(rows: list[dict], path: Path) -> None:
+    """Validation AL against the lr (left) and against the lr over the width's default (right): a
+    rule that transfers lines the right-hand peaks up."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for w in sorted({r["width"] for r in rows}):
         pts = sorted((r["lr"], r["val_al"]) for r in rows if r["width"] == w and "val_al" in r)
-        if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=f"width {w}")
-            ax.axvline(default_lr(w), ls=":", lw=0.8, color=ax.lines[-1].get_color())
-    ax.set_xscale("log")
-    ax.set_xlabel("peak lr (dotted: 04's default for the width)")
-    ax.set_ylabel("validation acceptance length")
-    ax.legend()
+        if not pts:
+            continue
+        lrs, als = zip(*pts, strict=True)
+        line = axes[0].plot(lrs, als, marker="o", label=f"width {w}")[0]
+        axes[1].plot([x / default_lr(w) for x in lrs], als, marker="o", color=line.get_color(), label=f"width {w}")
+    axes[0].set_xlabel("peak lr")
+    axes[1].set_xlabel("peak lr / 04's default for the width")
+    axes[0].set_ylabel("validation acceptance length")
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -148,6 +166,8 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     todo = points(a)
+    if a.report_only:
+        todo = [pt for pt in todo if is_complete(point_dir(a, pt), "04_train")]
     with ThreadPoolExecutor(max(1, a.jobs)) as pool:
         rows = list(pool.map(lambda pt: run_point(a, pt), todo))
     atomic_write_text(a.out / "sweep.json", json.dumps(rows, indent=2) + "\n")
@@ -159,10 +179,16 @@ def main(argv=None) -> int:
         else:
             print(f"| {r['width']} | {r['lr']:g} | {r['multiplier']:.2f} | {r['loss_first']:.3f} -> "
                   f"{r['loss_last']:.3f} | {r['val_loss']:.3f} | {r['val_al']:.3f} | {r['wall_s'] or '-'} |")
+    best = {}
     for w in sorted({r["width"] for r in rows}):
         b = best_lr([r for r in rows if r["width"] == w])
+        if b:
+            best[w] = b
         print(f"width {w}: default lr {default_lr(w):.3g}; best lr "
               + (f"{b:.3g} ({b / default_lr(w):.2f}x the default)" if b else "at an edge of the grid"))
+    if len(best) >= 2:
+        k = -slope([math.log(w) for w in best], [math.log(b) for b in best.values()])
+        print(f"best lr ~ width^-{k:.2f} over widths {', '.join(map(str, best))} (04's default: width^-{LR_WIDTH_EXPONENT:g})")
     plot([r for r in rows if "val_al" in r], a.out / "sweep.png")
     print(f"wrote {a.out / 'sweep.json'}, {a.out / 'sweep.png'}")
     return 0

@@ -6,8 +6,8 @@
 - `choose_length`: epochs and optimizer steps. Given `--epochs`, those; given a budget, what it
   buys; else (the default) enough epochs that the run reaches `MIN_STEPS` steps, at most
   `MAX_EPOCHS` (issue 13: one epoch of a 2,000-prompt set is 73 steps and trained a useless draft).
-- `choose_lr`: `--lr`, or by default `LR_REF * sqrt(LR_REF_WIDTH / width)` for a draft `width`
-  wide (issue 13: the best lr falls as the draft widens, README "04").
+- `choose_lr`: `--lr`, or by default `LR_REF * (LR_REF_WIDTH / width) ** LR_WIDTH_EXPONENT` for a
+  draft `width` wide (issue 13: the best lr falls as the draft widens, README "04").
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from .errors import PipelineError
 
 MIN_STEPS = 1000  # optimizer steps a default run reaches (issue 13: ~1,000 steps matched speculators' best)
 MAX_EPOCHS = 10  # ... repeating a small set at most this often
-# The default lr: LR_REF for a draft LR_REF_WIDTH wide, scaled by sqrt(LR_REF_WIDTH / width). Muon's
-# update (match_rms_adamw) has an RMS of 0.2·lr per entry, so its effect on a layer's output grows
-# as sqrt(width); the width ladder (scripts/sweep_lr_width.py --ladder) measured the best lr's fall.
-LR_REF, LR_REF_WIDTH = 3e-3, 256
+# The default lr: LR_REF for a draft LR_REF_WIDTH wide, times (LR_REF_WIDTH / width) ** LR_WIDTH_EXPONENT.
+# Muon's update (match_rms_adamw) has an RMS of 0.2·lr per entry, so a wider layer's output moves more
+# per step; the width ladder (scripts/sweep_lr_width.py) measured how fast the best lr falls.
+LR_REF, LR_REF_WIDTH, LR_WIDTH_EXPONENT = 3e-3, 256, 0.5
 
 BUDGET_FORMS = "a time (2h, 30m, 90s), tokens (5M, 200k tokens) or steps (3000, 3000 steps)"
 _TIME = {"h": 3600.0, "m": 60.0, "min": 60.0, "s": 1.0}
@@ -97,7 +97,7 @@ def choose_length(*, epochs: int | None, budget: Budget | None, max_steps: int |
 
 def default_lr(width: int) -> float:
     """The default peak lr for a draft `width` wide (its hidden size)."""
-    return LR_REF * math.sqrt(LR_REF_WIDTH / width)
+    return LR_REF * (LR_REF_WIDTH / width) ** LR_WIDTH_EXPONENT
 
 
 def choose_lr(lr: float | None, width: int) -> dict:
@@ -105,4 +105,4 @@ def choose_lr(lr: float | None, width: int) -> dict:
     if lr is not None:
         return {"lr": float(lr), "lr_why": "--lr"}
     return {"lr": float(f"{default_lr(width):.3g}"),
-            "lr_why": f"default: {LR_REF:g} x sqrt({LR_REF_WIDTH} / draft width {width})"}
+            "lr_why": f"default: {LR_REF:g} x ({LR_REF_WIDTH} / draft width {width})^{LR_WIDTH_EXPONENT:g}"}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from ..budget import LR_REF, LR_REF_WIDTH, MAX_EPOCHS, MIN_STEPS, parse_budget
+from ..budget import LR_REF, LR_REF_WIDTH, LR_WIDTH_EXPONENT, MAX_EPOCHS, MIN_STEPS, default_lr, parse_budget
 from ..config import TRAIN, StageConfig, require, setting
 from ..errors import PipelineError
 
@@ -94,8 +94,9 @@ class TrainConfig(StageConfig):
     optimizer: str = setting("muon", help="muon: Muon on the hidden weight matrices (attention, MLP, fc), AdamW on "
                                           "the rest; adamw: AdamW on everything")
     lr: float | None = setting(None, help=f"peak learning rate, for both groups (Muon's matched to AdamW's update "
-                                          f"size) (default: {LR_REF:g} x sqrt({LR_REF_WIDTH} / the draft's width): "
-                                          f"{LR_REF:g} at {LR_REF_WIDTH}, 5.7e-4 at Kimi-K2.5's 7168; the best lr "
+                                          f"size) (default: {LR_REF:g} x ({LR_REF_WIDTH} / the draft's width)^"
+                                          f"{LR_WIDTH_EXPONENT:g}: {default_lr(64):.2g} at 64, {LR_REF:g} at "
+                                          f"{LR_REF_WIDTH}, {default_lr(7168):.2g} at Kimi-K2.5's 7168; the best lr "
                                           f"falls as the draft widens)")
     min_lr_ratio: float = setting(0.0, help="final lr / peak lr")
     schedule: str = setting("cosine", help="decay after warmup")
