@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -130,12 +131,6 @@ def best_lr(rows: list[dict]) -> float | None:
     return math.exp(-b / (2 * a)) if a < 0 else None
 
 
-def slope(xs: list[float], ys: list[float]) -> float:
-    """Least-squares slope of ys on xs."""
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-
-
 def plot(rows: list[dict], path: Path) -> None:
     """Validation AL against the lr (left) and against the lr over the width's default (right): a
     rule that transfers lines the right-hand peaks up."""
@@ -187,7 +182,7 @@ def main(argv=None) -> int:
         print(f"width {w}: default lr {default_lr(w):.3g}; best lr "
               + (f"{b:.3g} ({b / default_lr(w):.2f}x the default)" if b else "at an edge of the grid"))
     if len(best) >= 2:
-        k = -slope([math.log(w) for w in best], [math.log(b) for b in best.values()])
+        k = -statistics.linear_regression([math.log(w) for w in best], [math.log(b) for b in best.values()]).slope
         print(f"best lr ~ width^-{k:.2f} over widths {', '.join(map(str, best))} (04's default: width^-{LR_WIDTH_EXPONENT:g})")
     plot([r for r in rows if "val_al" in r], a.out / "sweep.png")
     print(f"wrote {a.out / 'sweep.json'}, {a.out / 'sweep.png'}")

@@ -222,6 +222,12 @@ def real_extractor(tmp_path_factory, llama_target_dir):
         yield srv, req_dir
 
 
+def _ulp(mag: torch.Tensor, mantissa_bits: int, smallest: torch.Tensor) -> torch.Tensor:
+    """The spacing of a float format with `mantissa_bits` at magnitude `mag`; `smallest` is its
+    subnormal spacing."""
+    return torch.maximum(torch.pow(2.0, torch.floor(torch.log2(mag.clamp_min(1e-30))) - mantissa_bits), smallest)
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("storage", ["fp32", "fp8-topk"])
 def test_real_vllm_extraction_equals_the_hf_backend(tmp_path, tokset, llama_target_dir, real_extractor, storage):
@@ -254,9 +260,8 @@ def test_real_vllm_extraction_equals_the_hf_backend(tmp_path, tokset, llama_targ
             # e4m3 keeps 3 mantissa bits: a 1e-6 difference upstream can round an entry to its fp8
             # neighbour (CI saw it), never further; scale = row amax / 448, subnormal step 2^-9 scale
             diff = (x.aux - y.aux).abs()
-            mag = torch.maximum(x.aux.abs(), y.aux.abs())
             scale = y.aux.abs().amax(-1, keepdim=True) / 448
-            step = torch.maximum(torch.pow(2.0, torch.floor(torch.log2(mag.clamp_min(1e-30))) - 3), scale * 2 ** -9)
+            step = _ulp(torch.maximum(x.aux.abs(), y.aux.abs()), 3, scale * 2 ** -9)
             assert (diff <= step * 1.001 + 1e-6).all(), (sid, float((diff - step).max()))
             q_flipped += int((~torch.isclose(x.aux, y.aux, atol=1e-3, rtol=1e-3)).sum())
             q_compared += diff.numel()
@@ -264,7 +269,7 @@ def test_real_vllm_extraction_equals_the_hf_backend(tmp_path, tokset, llama_targ
             # the store keeps log-probs in fp16: a 1e-5 difference upstream (fp32 above) can round a
             # value to its fp16 neighbour (on an AMD EPYC, 1 of 768) but never further
             diff = (x.topk_logprobs - y.topk_logprobs).abs()
-            step = torch.pow(2.0, torch.floor(torch.log2(y.topk_logprobs.abs().clamp_min(2 ** -14))) - 10)
+            step = _ulp(y.topk_logprobs.abs(), 10, torch.tensor(2.0 ** -24))
             assert (diff <= step + 1e-6).all(), (sid, float(diff.max()))
             flipped, compared = flipped + int((diff > 1e-6).sum()), compared + diff.numel()
     assert flipped <= 0.01 * compared, (flipped, compared)  # rounding, not a different head
