@@ -13,7 +13,7 @@ run (the most a Python client can do on that core). Variants:
   sdk-httpx-create    openai SDK as usually written: AsyncOpenAI().chat.completions.create
   sdk-aiohttp-create  the same with http_client=DefaultAioHttpClient()
   sdk-aiohttp-raw     DefaultAioHttpClient, client.post(cast_to=httpx2.Response), json.loads
-  ours                eagle3_train.client.ChatClient.complete (what 01b runs: SDK post, raw body,
+  ours                eagle3_train.common.client.ChatClient.complete (what 01b runs: SDK post, raw body,
                       lean aiohttp transport, no telemetry headers, parse + retry bookkeeping)
   ours-xP             `ours` in P processes sharing the request count (--procs; on one pinned
                       core this shows what extra event loops cannot buy: the CPU is the limit)
@@ -104,7 +104,7 @@ async def child(variant: str, url: str, n: int, warmup: int, concurrency: int) -
         finally:
             await client.close()
     if variant == "ours":
-        from eagle3_train.client import ChatClient
+        from eagle3_train.common.client import ChatClient
 
         async with ChatClient([url], "fake", concurrency=concurrency, max_retries=0) as c:
             b = c.body(MESSAGES, {"max_tokens": 64})
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(asyncio.run(child(args.child, args.url, args.requests, args.warmup, args.concurrency))))
         return 0
-    from eagle3_train.vllm_server import free_port
+    from eagle3_train.common.vllm_server import free_port
 
     variants = [v for v in args.variants.split(",") if v]
     if args.procs > 1:

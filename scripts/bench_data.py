@@ -3,7 +3,7 @@
     EAGLE3_VLLM_PYTHON=/work/main/.venv-vllm/bin/python \
         uv run python scripts/bench_data.py [--root /work/bench] [--prompts 2000] [--heldout 100]
 
-  prompts  --prompts training + --heldout held-out questions of eagle3_train.bench_tasks (other seeds)
+  prompts  --prompts training + --heldout held-out questions of eagle3_testkit.bench_tasks (other seeds)
   01b      assets/bench-reasoner answers the training questions greedily in real vLLM, tokenized (01c)
   02       its hidden states at aux layers 1,3,4 (+ the last layer), transformers backend
   03       a 512-token draft vocabulary
@@ -20,15 +20,15 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3_train.bench_runs import AUX_LAYERS, BENCH_TARGET, DRAFT_VOCAB, HELDOUT_SEED, TRAIN_SEED, layout, run_stage
-from eagle3_train.bench_tasks import write_bench_prompts
-from eagle3_train.dataset import STAGE as TOKENIZE_STAGE
-from eagle3_train.errors import run_main
-from eagle3_train.generate import STAGE as GEN_STAGE
-from eagle3_train.hidden_store import STAGE as STORE_STAGE
-from eagle3_train.manifest import is_complete as complete
-from eagle3_train.store import atomic_write_text
-from eagle3_train.vocab import STAGE as VOCAB_STAGE
+from eagle3_testkit.bench_runs import AUX_LAYERS, BENCH_TARGET, DRAFT_VOCAB, HELDOUT_SEED, TRAIN_SEED, layout, run_stage
+from eagle3_testkit.bench_tasks import write_bench_prompts
+from eagle3_train.common.errors import run_main
+from eagle3_train.common.hidden_store import STAGE as STORE_STAGE
+from eagle3_train.common.manifest import is_complete as complete
+from eagle3_train.common.store import atomic_write_text
+from eagle3_train.generate.stage import STAGE as GEN_STAGE
+from eagle3_train.tokenize.dataset import STAGE as TOKENIZE_STAGE
+from eagle3_train.vocab.mapping import STAGE as VOCAB_STAGE
 
 
 def parse_args(argv=None):
@@ -59,7 +59,7 @@ def data_figures(tokenized: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    from eagle3_train.vllm_server import VllmServer
+    from eagle3_train.common.vllm_server import VllmServer
 
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -24,14 +24,14 @@ import time
 from pathlib import Path
 
 import torch
-
-from eagle3_train import extract, extract_hf
-from eagle3_train.target import target_info
-from eagle3_train import hidden_store as hs
-from eagle3_train.dataset import DATA
-from eagle3_train.dataset import STAGE as TOKENIZE_STAGE
-from eagle3_train.manifest import write_manifest
-from eagle3_train.store import JsonlWriter
+from eagle3_train.common import hidden_store as hs
+from eagle3_train.common.manifest import write_manifest
+from eagle3_train.common.store import JsonlWriter
+from eagle3_train.common.target import target_info
+from eagle3_train.extract import hf as extract_hf
+from eagle3_train.extract import stage as extract
+from eagle3_train.tokenize.dataset import DATA
+from eagle3_train.tokenize.dataset import STAGE as TOKENIZE_STAGE
 
 KIMI = {"hidden": 7168, "layers": 61, "aux": [2, 30, 58]}
 
@@ -171,7 +171,7 @@ def kimi_sizes(storages, topk) -> list[dict]:
 
 def main(argv=None):
     args = parse_args(argv)
-    from eagle3_train.fixtures import random_target_dir
+    from eagle3_testkit.fixtures import random_target_dir
 
     device = extract_hf.resolve_device(args.device)
     dtype = extract_hf.resolve_dtype(args.dtype, device)

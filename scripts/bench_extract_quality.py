@@ -43,7 +43,7 @@ def parse_args(argv=None):
 
 
 def make_tokenized(directory: Path, target: Path, n: int, seed: int = 1) -> Path:
-    from eagle3_train.fixtures import synthetic_training_set
+    from eagle3_testkit.fixtures import synthetic_training_set
 
     if (directory / "manifest.json").exists():
         return directory
@@ -52,7 +52,7 @@ def make_tokenized(directory: Path, target: Path, n: int, seed: int = 1) -> Path
 
 def main(argv=None):
     args = parse_args(argv)
-    from eagle3_train.fixtures import tiny_reasoner_dir
+    from eagle3_testkit.fixtures import tiny_reasoner_dir
 
     target = tiny_reasoner_dir()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench_extract_quality-"))

@@ -32,13 +32,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_extract import make_input  # noqa: E402
-
-from eagle3_train import extract  # noqa: E402
-from eagle3_train import hidden_store as hs  # noqa: E402
-from eagle3_train import vllm_extract as vx  # noqa: E402
-from eagle3_train.configs.extract import ExtractConfig  # noqa: E402
-from eagle3_train.target import target_info  # noqa: E402
-from eagle3_train.vllm_server import VllmServer, scrape_metrics  # noqa: E402
+from eagle3_train.common import hidden_store as hs  # noqa: E402
+from eagle3_train.common.target import target_info  # noqa: E402
+from eagle3_train.common.vllm_server import VllmServer, scrape_metrics  # noqa: E402
+from eagle3_train.extract import stage as extract  # noqa: E402
+from eagle3_train.extract import vllm as vx  # noqa: E402
+from eagle3_train.extract.config import ExtractConfig  # noqa: E402
 
 STAGES = ("request_queue_time", "request_prefill_time", "e2e_request_latency")
 
@@ -140,7 +139,7 @@ def without(argv: list[str], *flags: str) -> list[str]:
 
 def main(argv=None):
     args = parse_args(argv)
-    from eagle3_train.fixtures import random_target_dir
+    from eagle3_testkit.fixtures import random_target_dir
 
     model = args.model or str(random_target_dir("llama"))
     _, cfg = target_info(model)

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_group_tokens-") as tmp:
         work = Path(tmp)
         if args.hidden_states is None:
-            from eagle3_train.fixtures import tiny_reasoner_dir
+            from eagle3_testkit.fixtures import tiny_reasoner_dir
 
             target = tiny_reasoner_dir()
             hs, vocab = load(REPO / "scripts" / "bench_train.py", "bench_train").make_inputs(work, target, 64)

@@ -86,7 +86,7 @@ def measure(d: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    from eagle3_train.fixtures import kimi_twin_dir
+    from eagle3_testkit.fixtures import kimi_twin_dir
 
     args = parse_args(argv)
     target = (args.target or kimi_twin_dir()).resolve()

@@ -14,7 +14,6 @@ import sys
 import time
 
 import torch
-
 from eagle3_train.train.muon import Muon
 
 

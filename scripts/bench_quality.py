@@ -8,7 +8,7 @@ both drafts served by real vLLM; acceptance length and the ratios printed.
 Needs scripts/bench_data.py's output under --root (02 store, 03 vocabulary, held-out prompts).
 Each arm trains one draft, then 05_evaluate serves it in vLLM (eagle3, greedy, k = 3) on the
 held-out prompts. KIND is `speculators` (speculators.train.cli through
-eagle3_train.speculators_train, on the 02 store converted by eagle3_train.speculators_data; its
+eagle3_testkit.speculators_train, on the 02 store converted by eagle3_testkit.speculators_data; its
 defaults otherwise: Muon lr 1e-3 linear, norm_before_fc, forward KL, TTT 3, bf16 autocast) or
 `ours` (04_train with FLAGS beyond the inputs). Default arms, in this order:
 
@@ -34,12 +34,12 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3_train.bench_runs import BENCH_TARGET, layout, run_stage
-from eagle3_train.config import EVALUATE as EVAL_STAGE
-from eagle3_train.config import TRAIN as TRAIN_STAGE
-from eagle3_train.errors import PipelineError, run_main
-from eagle3_train.manifest import is_complete as complete
-from eagle3_train.store import atomic_write_text
+from eagle3_testkit.bench_runs import BENCH_TARGET, layout, run_stage
+from eagle3_train.common.config import EVALUATE as EVAL_STAGE
+from eagle3_train.common.config import TRAIN as TRAIN_STAGE
+from eagle3_train.common.errors import PipelineError, run_main
+from eagle3_train.common.manifest import is_complete as complete
+from eagle3_train.common.store import atomic_write_text
 
 DEFAULT_ARMS = {
     "speculators": "speculators:--epochs 7 --total-seq-len 2048",
@@ -80,13 +80,13 @@ def train_speculators(arm_dir: Path, d: dict, target: Path, flags: list[str], va
     """speculators' CLI (its Trainer) on the converted store; the last epoch's checkpoint is the draft."""
     import subprocess
 
-    from eagle3_train.speculators_data import convert_store, write_vocab_npy
+    from eagle3_testkit.speculators_data import convert_store, write_vocab_npy
 
     conv = d["root"] / "speculators-data"
     info = convert_store(d["hidden"], conv, val_fraction=val_fraction)
     d2t, t2d = write_vocab_npy(d["vocab"], conv)
     ckpt = arm_dir / "checkpoints"
-    cmd = [sys.executable, "-m", "eagle3_train.speculators_train", "--verifier-name-or-path", str(target),
+    cmd = [sys.executable, "-m", "eagle3_testkit.speculators_train", "--verifier-name-or-path", str(target),
            "--data-path", str(conv), "--save-path", str(ckpt), "--log-dir", str(arm_dir / "logs"),
            "--target-layer-ids", *map(str, info["layer_ids"][:-1]), "--d2t-path", str(d2t), "--t2d-path", str(t2d),
            "--train-data-ratio", str(info["train_data_ratio"]), "--on-missing", "raise",

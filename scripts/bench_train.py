@@ -50,7 +50,7 @@ def stage(name: str):
 
 def make_inputs(work: Path, target: Path, n: int) -> tuple[Path, Path]:
     """tokenized set (the one tokenization module) -> 02 (hf, fp32) -> 03."""
-    from eagle3_train.fixtures import synthetic_training_set
+    from eagle3_testkit.fixtures import synthetic_training_set
 
     data, hs, vocab = work / "tokenized", work / "hidden", work / "vocab"
     if not (data / "manifest.json").exists():
@@ -65,8 +65,8 @@ def make_inputs(work: Path, target: Path, n: int) -> tuple[Path, Path]:
 
 
 def speculators_data(work: Path, hs: Path) -> Path:
-    """The same samples in speculators' offline format (eagle3_train.speculators_data), fp32, all training."""
-    from eagle3_train.speculators_data import convert_store
+    """The same samples in speculators' offline format (eagle3_testkit.speculators_data), fp32, all training."""
+    from eagle3_testkit.speculators_data import convert_store
 
     out = work / "speculators-data"
     convert_store(hs, out, val_fraction=0.0, dtype="float32", progress=False)
@@ -94,6 +94,9 @@ def run_ours(work: Path, hs: Path, vocab: Path, target: Path, args, k: int) -> d
 
 def run_speculators(work: Path, data: Path, hs: Path, vocab: Path, target: Path, args, k: int) -> dict:
     import torch
+    from eagle3_train.train import draft as D
+    from eagle3_train.train import draft_core as core
+    from eagle3_train.vocab.mapping import read_mapping
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3DraftModel, shift_batch
     from speculators.train import distributed as sdist
@@ -102,16 +105,13 @@ def run_speculators(work: Path, data: Path, hs: Path, vocab: Path, target: Path,
     from speculators.train.trainer import Trainer, TrainerConfig
     from transformers import AutoConfig
 
-    from eagle3_train import draft as D
-    from eagle3_train.vocab import read_mapping
-
     sdist._local_rank = "cpu"  # its Trainer moves the model and batches to `local_rank`
     cfg = AutoConfig.from_pretrained(target)
     m = read_mapping(vocab)
     d2t, t2d = torch.from_numpy(m.d2t).long(), torch.from_numpy(m.t2d).bool()
     store_cfg = json.loads((hs / "manifest.json").read_text())
     ours = D.build_draft(str(target), cfg, aux_layer_ids=store_cfg["layer_ids"][:-1], d2t=d2t, t2d=t2d,
-                         weights=D.load_target_weights(target), attn_impl="sdpa")
+                         weights=core.load_target_weights(target), attn_impl="sdpa")
     model = Eagle3DraftModel(ours.config)  # speculators' own, with its verifier head for the loss
     model.load_vocab_mappings(t2d, d2t)
     model.load_verifier_weights()
@@ -138,8 +138,7 @@ def run_speculators(work: Path, data: Path, hs: Path, vocab: Path, target: Path,
 
 def main(argv=None) -> int:
     import torch
-
-    from eagle3_train.fixtures import TINY_REASONER, random_target_dir
+    from eagle3_testkit.fixtures import TINY_REASONER, random_target_dir
 
     args = parse_args(argv)
     if args.threads:

@@ -93,7 +93,7 @@ PARTS = ("weights", "grads_and_adam", "target_head", "activations", "total")
 def compare(cfg) -> tuple[dict, object]:
     """04's Trainer for `cfg` (a parsed 04 config) measured against planner.train_memory:
     {part: {planned, measured, ratio}} and the planner flags used."""
-    from eagle3_train import planner
+    from eagle3_train.plan import planner
     from eagle3_train.train.dist import setup_dist
     from eagle3_train.train.inputs import open_inputs
     from eagle3_train.train.loop import Trainer
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from eagle3_train.fixtures import tiny_reasoner_dir
+    from eagle3_testkit.fixtures import tiny_reasoner_dir
 
     target = tiny_reasoner_dir()
     bench = load(REPO / "scripts" / "bench_train.py", "bench_train")

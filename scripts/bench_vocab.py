@@ -3,7 +3,7 @@
 
 Synthetic training records at Kimi-K2.5's vocabulary size (163840), Zipf-distributed ids, prompt
 tokens unmasked. Three counters, each checked to give identical counts:
-  bincount   eagle3_train.vocab (per record: array + mask; one bincount per ~1M tokens)
+  bincount   eagle3_train.vocab.mapping (per record: array + mask; one bincount per ~1M tokens)
   counter    a plain `for t, m in zip(ids, mask): if m: c[t] += 1` loop
   unique     speculators' way: per record torch.unique(return_counts) + Counter.update
 Timed twice: from records already parsed (the counting alone) and end to end from data.jsonl
@@ -23,11 +23,10 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-
-from eagle3_train import vocab_counts
-from eagle3_train.config import TOKENIZE
-from eagle3_train.dataset import TrainingSet
-from eagle3_train.manifest import write_manifest
+from eagle3_train.common.config import TOKENIZE
+from eagle3_train.common.manifest import write_manifest
+from eagle3_train.tokenize.dataset import TrainingSet
+from eagle3_train.vocab import counts as vocab_counts
 
 
 def make_records(n: int, length: int, v: int, seed: int) -> list[dict]:

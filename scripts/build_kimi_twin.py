@@ -2,7 +2,7 @@
 
     uv run python scripts/build_kimi_twin.py [--out assets/kimi-twin-core] [--steps 240] [--threads 2]
 
-Trains the twin's DeepSeek-V3 text model on the synthetic reasoning tasks (eagle3_train.kimi_twin_train),
+Trains the twin's DeepSeek-V3 text model on the synthetic reasoning tasks (eagle3_testkit.kimi_twin_train),
 packages the full K2.5-style twin in a temp dir, keeps only its live vocabulary rows as the core, and
 checks that assembling the core gives back the packaged twin tensor for tensor. Deterministic for a
 seed, step count and thread count (the committed core: the defaults, 2 threads).
@@ -15,8 +15,8 @@ import json
 import shutil
 from pathlib import Path
 
-from eagle3_train.fixtures import KIMI_TWIN_CORE
-from eagle3_train.store import TMP_PREFIX, atomic_dir_commit
+from eagle3_testkit.fixtures import KIMI_TWIN_CORE
+from eagle3_train.common.store import TMP_PREFIX, atomic_dir_commit
 
 
 def parse_args(argv=None):
@@ -30,9 +30,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     import torch
+    from eagle3_testkit.kimi_twin_train import assemble_kimi_twin, save_core, train_kimi_twin
     from safetensors.torch import load_file
-
-    from eagle3_train.kimi_twin_train import assemble_kimi_twin, save_core, train_kimi_twin
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -13,9 +13,9 @@ import json
 import shutil
 from pathlib import Path
 
-from eagle3_train.fixtures import TINY_REASONER
-from eagle3_train.store import TMP_PREFIX, atomic_dir_commit
-from eagle3_train.tiny_target import train_tiny_target
+from eagle3_testkit.fixtures import TINY_REASONER
+from eagle3_testkit.tiny_target import train_tiny_target
+from eagle3_train.common.store import TMP_PREFIX, atomic_dir_commit
 
 
 def parse_args(argv=None):

@@ -1,5 +1,5 @@
 """A Llama target lifted to a wider residual stream, computing what the original computes
-(eagle3_train.widen): a rung of the width ladder behind 04's default lr (scripts/sweep_lr_width.py).
+(eagle3_testkit.widen): a rung of the width ladder behind 04's default lr (scripts/sweep_lr_width.py).
 
     uv run python scripts/build_wide_target.py --target assets/bench-reasoner --width 1024 \\
         --out /work/wide/target-1024 [--seed 0]
@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from eagle3_train.errors import run_main
+from eagle3_train.common.errors import run_main
 
 
 def parse_args(argv=None):
@@ -28,7 +28,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from eagle3_train.widen import widen_target
+    from eagle3_testkit.widen import widen_target
 
     a = parse_args(argv)
     print(f"wrote {widen_target(a.target, a.out, a.width, seed=a.seed)}")

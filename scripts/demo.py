@@ -25,18 +25,18 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3_train.config import EVALUATE as EVAL_STAGE
-from eagle3_train.config import TRAIN as TRAIN_STAGE
-from eagle3_train.dataset import STAGE as TOKENIZE_STAGE
-from eagle3_train.errors import PipelineError, run_main
-from eagle3_train.fixtures import REPO_ROOT, kimi_twin_dir, tiny_reasoner_dir
-from eagle3_train.generate import STAGE as GEN_STAGE
-from eagle3_train.hidden_store import STAGE as STORE_STAGE
-from eagle3_train.manifest import is_complete as complete
-from eagle3_train.store import atomic_write_text
-from eagle3_train.tiny import write_prompt_file
-from eagle3_train.vllm_server import die_with_parent
-from eagle3_train.vocab import STAGE as VOCAB_STAGE
+from eagle3_testkit.fixtures import REPO_ROOT, kimi_twin_dir, tiny_reasoner_dir
+from eagle3_testkit.tiny import write_prompt_file
+from eagle3_train.common.config import EVALUATE as EVAL_STAGE
+from eagle3_train.common.config import TRAIN as TRAIN_STAGE
+from eagle3_train.common.errors import PipelineError, run_main
+from eagle3_train.common.hidden_store import STAGE as STORE_STAGE
+from eagle3_train.common.manifest import is_complete as complete
+from eagle3_train.common.store import atomic_write_text
+from eagle3_train.common.vllm_server import die_with_parent
+from eagle3_train.generate.stage import STAGE as GEN_STAGE
+from eagle3_train.tokenize.dataset import STAGE as TOKENIZE_STAGE
+from eagle3_train.vocab.mapping import STAGE as VOCAB_STAGE
 
 STAGES = REPO_ROOT / "eagle3-train"
 TRAIN_SEED, HELDOUT_SEED = 1, 2  # the tiny target itself was trained on seed 1000's questions
@@ -128,7 +128,7 @@ def main(argv=None):
         write_prompts(heldout, prof["heldout_prompts"], HELDOUT_SEED)
 
     def gen():
-        from eagle3_train.vllm_server import VllmServer
+        from eagle3_train.common.vllm_server import VllmServer
 
         d["01b"].mkdir(parents=True, exist_ok=True)
         srv = VllmServer(target, served_name="tiny-reasoner", max_model_len=1024, log_path=d["01b"] / "vllm.log")

@@ -72,9 +72,8 @@ class Faults:
         self.log = open(args.log, "a") if args.log else None
         self.fmt = None
         if args.tokenizer:  # real ids are the project's own re-wrap, the one place that joins them
+            from eagle3_train.common.tokenization import ChatFormat
             from transformers import AutoTokenizer
-
-            from eagle3_train.tokenization import ChatFormat
 
             self.fmt = ChatFormat.from_tokenizer(AutoTokenizer.from_pretrained(args.tokenizer))
 

@@ -19,7 +19,7 @@ recorded as such), and writes DIR/gpu_check.json after every step, so a cut-shor
            and output tok/s (gpu_check_05.check), with --draft, else the demo's export, else the
            draft the 04 step just trained (then AL is recorded, not required: 30 steps is too few).
   04-width the width ladder's top rung (issue 13), not in the default --only: the benchmark target
-           lifted to --width (default 7168, Kimi-K2.5's; eagle3_train.widen), 02 on CUDA over the
+           lifted to --width (default 7168, Kimi-K2.5's; eagle3_testkit.widen), 02 on CUDA over the
            benchmark's tokenized answers (--width-data: copy /work/bench/01b/tokenized, made by
            scripts/bench_data.py, into an ignored folder and carry it), 03, then
            scripts/sweep_lr_width.py at 0.5x, 1x, 2x and 4x 04's default lr for the width. It passes
@@ -102,9 +102,8 @@ def log(msg: str) -> None:
 
 def step_02_twin(args, work: Path) -> dict:
     import torch
-
-    from eagle3_train import hidden_store as hs
-    from eagle3_train.fixtures import kimi_twin_dir, synthetic_training_set
+    from eagle3_testkit.fixtures import kimi_twin_dir, synthetic_training_set
+    from eagle3_train.common import hidden_store as hs
 
     g02 = load("gpu_check_02")
     twin = kimi_twin_dir()
@@ -167,9 +166,9 @@ def step_04_width(args, work: Path) -> dict:
     """The benchmark target lifted to --width; 02 (hf, CUDA), 03, then the lr sweep at that width."""
     import subprocess
 
-    from eagle3_train.bench_runs import AUX_LAYERS, BENCH_TARGET, DRAFT_VOCAB
-    from eagle3_train.budget import default_lr
-    from eagle3_train.widen import widen_target
+    from eagle3_testkit.bench_runs import AUX_LAYERS, BENCH_TARGET, DRAFT_VOCAB
+    from eagle3_testkit.widen import widen_target
+    from eagle3_train.train.budget import default_lr
 
     data = args.width_data
     if not (data / "manifest.json").exists():

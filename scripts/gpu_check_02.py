@@ -51,10 +51,9 @@ def stage_main(argv):
 
 def make_set(directory: Path, model_dir: Path, n: int, lo: int, hi: int):
     from bench_extract import make_input
-
-    from eagle3_train.manifest import describe_tokenizer
-    from eagle3_train.target import target_info
-    from eagle3_train.tokenization import load_tokenizer
+    from eagle3_train.common.manifest import describe_tokenizer
+    from eagle3_train.common.target import target_info
+    from eagle3_train.common.tokenization import load_tokenizer
 
     _, cfg = target_info(str(model_dir))
     tok = describe_tokenizer(load_tokenizer(str(model_dir)), str(model_dir))
@@ -84,7 +83,7 @@ def rel_err(a, b) -> float:
 
 
 def check_hf(arch, model_dir, inp_dir, inp, work) -> dict:
-    from eagle3_train import hidden_store as hs
+    from eagle3_train.common import hidden_store as hs
 
     res = {"arch": arch}
     common = ["--input", str(inp_dir), "--model", str(model_dir), "--device", DEVICE, "--shard-mb", "4"]
@@ -108,8 +107,7 @@ def check_hf(arch, model_dir, inp_dir, inp, work) -> dict:
 
 def bench(model_dir, name, work, samples, lo, hi, batch_tokens) -> list[dict]:
     from bench_extract import bench_target
-
-    from eagle3_train.target import target_info
+    from eagle3_train.common.target import target_info
 
     _, cfg = target_info(str(model_dir))
     inp = make_set(work / f"bench-in-{name}", model_dir, samples, lo, hi)
@@ -127,7 +125,7 @@ def bench(model_dir, name, work, samples, lo, hi, batch_tokens) -> list[dict]:
 
 
 def vllm_available() -> str | None:
-    from eagle3_train.vllm_server import vllm_python
+    from eagle3_train.common.vllm_server import vllm_python
 
     py = vllm_python()
     ok = subprocess.run([py, "-c", "import vllm"], capture_output=True).returncode == 0
@@ -137,7 +135,7 @@ def vllm_available() -> str | None:
 def check_vllm(arch, model_dir, inp_dir, inp, work, *,
                vllm_args: str = "--enforce-eager --gpu-memory-utilization 0.4") -> dict:
     """02 --backend vllm --launch-server in bf16 vs the hf backend's bf16 store work/hf16-<arch>."""
-    from eagle3_train import hidden_store as hs
+    from eagle3_train.common import hidden_store as hs
 
     out = work / f"vllm-{arch}"
     t = time.monotonic()
@@ -188,8 +186,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import tempfile
 
-    from eagle3_train.fixtures import random_target_dir, tokenizer_dir
-    from eagle3_train.tiny import build_random_target
+    from eagle3_testkit.fixtures import random_target_dir, tokenizer_dir
+    from eagle3_testkit.tiny import build_random_target
 
     result = {"device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
               "hf": [], "bench": [], "vllm": []}

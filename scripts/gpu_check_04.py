@@ -76,7 +76,7 @@ def check(args, work: Path) -> dict:
 
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: this check needs a GPU")
-    from eagle3_train.fixtures import TINY_REASONER, random_target_dir
+    from eagle3_testkit.fixtures import TINY_REASONER, random_target_dir
 
     target = TINY_REASONER if (TINY_REASONER / "model.safetensors").exists() else random_target_dir("llama")
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "target": str(target),

@@ -40,7 +40,7 @@ def parse_args(argv=None):
 
 def probe_vllm() -> tuple[bool, str]:
     """Whether vLLM imports in the interpreter that serves it, and its version / error."""
-    from eagle3_train.vllm_server import vllm_python
+    from eagle3_train.common.vllm_server import vllm_python
 
     code = "import vllm, torch; print(vllm.__version__, torch.cuda.is_available())"
     probe = subprocess.run([vllm_python(), "-c", code], capture_output=True, text=True)
@@ -49,8 +49,8 @@ def probe_vllm() -> tuple[bool, str]:
 
 def check(args, work: Path) -> dict:
     """05 on the tiny target with `args.draft`, its online arms in vLLM; the report's figures."""
-    from eagle3_train.fixtures import tiny_reasoner_dir
-    from eagle3_train.tiny import write_prompt_file
+    from eagle3_testkit.fixtures import tiny_reasoner_dir
+    from eagle3_testkit.tiny import write_prompt_file
 
     result = {"check": "05_evaluate on GPU", "draft": str(args.draft)}
     prompts = write_prompt_file(work / "heldout.jsonl", args.num_prompts, seed=2)

@@ -57,8 +57,8 @@ def main(argv=None) -> int:
 
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA device: this check needs a GPU")
-        from eagle3_train.fixtures import kimi_twin_dir, synthetic_training_set
-        from eagle3_train.tiny import synthetic_examples
+        from eagle3_testkit.fixtures import kimi_twin_dir, synthetic_training_set
+        from eagle3_testkit.tiny import synthetic_examples
 
         target = kimi_twin_dir()
         check04 = load(REPO / "scripts" / "gpu_check_04.py", "gpu_check_04")

@@ -206,7 +206,7 @@ def show(args, files: dict[str, Path]) -> int:
         print(paint(f"[error] {e.get('error_type')} (status {e.get('status')}, {e.get('attempts')} attempts, "
                     f"retryable {e.get('retryable')}): {e.get('message')}", "1;31"))
     if data is None and raw and tok is not None:
-        from eagle3_train.tokenization import ChatFormat, tokenize_sample
+        from eagle3_train.common.tokenization import ChatFormat, tokenize_sample
 
         fmt = ChatFormat.from_tokenizer(tok)
         t = tokenize_sample(raw, fmt)

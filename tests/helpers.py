@@ -12,7 +12,7 @@ def make_training_set(directory: Path, tokenizer_dir: Path, n: int = 12, seed: i
                       max_seq_len: int | None = None, id_prefix: str = "s") -> Path:
     """A complete tokenized training set of `n` synthetic reasoning samples (see
     fixtures.synthetic_training_set). Returns `directory`."""
-    from eagle3_train.fixtures import synthetic_training_set
+    from eagle3_testkit.fixtures import synthetic_training_set
 
     return synthetic_training_set(directory, tokenizer_dir, n=n, seed=seed, id_prefix=id_prefix,
                                   max_seq_len=max_seq_len)
@@ -23,14 +23,17 @@ def script_path(name: str) -> Path:
     return SCRIPTS / f"{name}.py"
 
 
-def load_script(name: str):
-    """A numbered stage script (e.g. '02_extract_hidden_states') as a module, to call its main()."""
-    import importlib.util
+# Each numbered script is a shim over its stage's CLI module; tests call the module's main().
+STAGE_PACKAGES = {"00_plan": "plan", "01a_import_text": "import_text", "01b_generate_synthetic": "generate",
+                  "01c_tokenize": "tokenize", "02_extract_hidden_states": "extract", "03_build_vocab_mapping": "vocab",
+                  "04_train": "train", "05_evaluate": "evaluate"}
 
-    spec = importlib.util.spec_from_file_location(f"stage_{name}", script_path(name))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+
+def stage_cli(name: str):
+    """The CLI module (eagle3_train.<stage>.cli) of a stage by its script's name ('04_train')."""
+    import importlib
+
+    return importlib.import_module(f"eagle3_train.{STAGE_PACKAGES[name]}.cli")
 
 
 # What the CPU tests of 04 train with: a few tiny steps, a checkpoint every 3, every step logged.

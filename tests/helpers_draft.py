@@ -51,12 +51,11 @@ def make_greedy_store(out_dir: Path, target_dir: Path, *, n: int = 6, seed: int 
     (loss mask on the continuation): aux = residual stream entering each aux layer, last = the
     last layer's output before the final norm (helpers_train.target_features)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from eagle3_train.hidden_store import STAGE, describe_storage, write_shard
-    from eagle3_train.manifest import describe_target, describe_tokenizer, write_manifest
-    from eagle3_train.tiny import synthetic_examples
+    from eagle3_testkit.tiny import synthetic_examples
+    from eagle3_train.common.hidden_store import STAGE, describe_storage, write_shard
+    from eagle3_train.common.manifest import describe_target, describe_tokenizer, write_manifest
     from helpers_train import target_features
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

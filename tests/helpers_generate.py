@@ -22,7 +22,7 @@ class FaultServer:
     """`with FaultServer(tmp_path, "--schedule", "500,ok") as fs: fs.url` (a real process)."""
 
     def __init__(self, workdir: Path, *args: str, port: int | None = None, model: str = "fake"):
-        from eagle3_train.vllm_server import free_port
+        from eagle3_train.common.vllm_server import free_port
 
         self.workdir = Path(workdir)
         self.args = list(args)

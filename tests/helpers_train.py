@@ -14,13 +14,12 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-
-from eagle3_train import hidden_store as hs
-from eagle3_train import vocab
-from eagle3_train.dataset import TrainingSet
-from eagle3_train.extract import default_aux_layers
-from eagle3_train.fixtures import synthetic_training_set
-from eagle3_train.manifest import describe_target, describe_tokenizer, write_manifest
+from eagle3_testkit.fixtures import synthetic_training_set
+from eagle3_train.common import hidden_store as hs
+from eagle3_train.common.manifest import describe_target, describe_tokenizer, write_manifest
+from eagle3_train.extract.stage import default_aux_layers
+from eagle3_train.tokenize.dataset import TrainingSet
+from eagle3_train.vocab import mapping as vocab
 
 PLAIN_NAME = {dtype: name for name, dtype in hs.PLAIN.items()}
 

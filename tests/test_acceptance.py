@@ -3,9 +3,15 @@
 import random
 
 import torch
-
-from eagle3_train.acceptance import (chain_acceptance, draft_correctness, flatten, merge, summarize, unflatten,
-                                     vllm_walk)
+from eagle3_train.common.acceptance import (
+    chain_acceptance,
+    draft_correctness,
+    flatten,
+    merge,
+    summarize,
+    unflatten,
+    vllm_walk,
+)
 
 
 def frame(mask: list[int], k: int, right) -> tuple[torch.Tensor, torch.Tensor]:

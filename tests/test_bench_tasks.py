@@ -8,9 +8,8 @@ import re
 
 import pytest
 import torch
-
-from eagle3_train.bench_tasks import TASKS, bench_examples, write_bench_prompts
-from eagle3_train.split import is_heldout
+from eagle3_testkit.bench_tasks import TASKS, bench_examples, write_bench_prompts
+from eagle3_train.common.split import is_heldout
 
 
 def check_columns(lines, pattern, op):
@@ -125,11 +124,10 @@ def test_reasoning_is_long_in_the_tiny_tokenizer(k25_tokenizer):
 
 
 def test_speculators_reads_the_converted_store_as_04_sees_it(tmp_path, llama_target_dir):
+    from eagle3_testkit.speculators_data import convert_store
+    from eagle3_train.common.hidden_store import HiddenStates
     from helpers_train import build_store
     from speculators.train.data import ArrowDataset
-
-    from eagle3_train.hidden_store import HiddenStates
-    from eagle3_train.speculators_data import convert_store
 
     store_dir = build_store(tmp_path / "store", llama_target_dir, n=24, shard_size=8)
     store = HiddenStates(store_dir)

@@ -7,10 +7,9 @@ import json
 import random
 
 import pytest
+from eagle3_train.common.client import ChatClient, ResponseError, backoff_delay, is_retryable_status, parse_completion
+from eagle3_train.common.errors import PipelineError
 from helpers_generate import FaultServer
-
-from eagle3_train.client import ChatClient, ResponseError, backoff_delay, is_retryable_status, parse_completion
-from eagle3_train.errors import PipelineError
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -134,7 +133,7 @@ def test_requests_spread_over_endpoints_and_retries_move(tmp_path):
 
 
 def test_one_dead_endpoint_does_not_lose_samples(tmp_path):
-    from eagle3_train.vllm_server import free_port
+    from eagle3_train.common.vllm_server import free_port
 
     dead = f"http://127.0.0.1:{free_port()}/v1"
     with FaultServer(tmp_path) as a:
@@ -148,7 +147,7 @@ def test_preflight_names_the_models_served(tmp_path):
         async with ChatClient(urls, model) as c:
             return await c.preflight()
 
-    from eagle3_train.vllm_server import free_port
+    from eagle3_train.common.vllm_server import free_port
 
     with FaultServer(tmp_path) as fs:
         with pytest.raises(PipelineError, match="does not serve model 'other'.*fake"):

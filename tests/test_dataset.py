@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from eagle3_train.dataset import DATA, TrainingSet, build_training_set
-from eagle3_train.errors import PipelineError
-from eagle3_train.generate import STAGE as GEN_STAGE
-from eagle3_train.manifest import tokenizer_fingerprint, write_manifest
-from eagle3_train.store import JsonlWriter, file_sha256
-from eagle3_train.tiny import synthetic_examples
-from eagle3_train.tokenization import ChatFormat
+from eagle3_testkit.tiny import synthetic_examples
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.manifest import tokenizer_fingerprint, write_manifest
+from eagle3_train.common.store import JsonlWriter, file_sha256
+from eagle3_train.common.tokenization import ChatFormat
+from eagle3_train.generate.stage import STAGE as GEN_STAGE
+from eagle3_train.tokenize.dataset import DATA, TrainingSet, build_training_set
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +154,10 @@ def test_another_tokenizer_is_one_error_line(tmp_path, fmt, records):
 
 
 def test_01c_cli(tmp_path, fmt, records, k25_tokenizer_dir, capsys):
-    from helpers import load_script
+    from eagle3_train.common.errors import run_main
+    from helpers import stage_cli
 
-    from eagle3_train.errors import run_main
-
-    main = load_script("01c_tokenize").main
+    main = stage_cli("01c_tokenize").main
     d = raw_dir(tmp_path, records)
     assert run_main(main, ["--raw-dir", str(d), "--tokenizer", str(k25_tokenizer_dir), "--drop-length"]) == 0
     assert "dropped: length 1" in capsys.readouterr().out

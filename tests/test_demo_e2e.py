@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from eagle3_train.fixtures import REPO_ROOT
+from eagle3_testkit.fixtures import REPO_ROOT
 
 # vLLM's mean acceptance length (K = 3) for the quick demo's trained draft must exceed this.
 # Measured: a draft that is never accepted gives 1.00 (the random draft of test_evaluate: 1.00-1.01);

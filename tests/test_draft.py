@@ -1,4 +1,4 @@
-"""The draft (eagle3_train.draft): built on speculators' Eagle3DraftModel, our TTT unroll equals
+"""The draft (eagle3_train.train.draft): built on speculators' Eagle3DraftModel, our TTT unroll equals
 speculators' own forward, the target head reproduces the target's logits from the stored last
 hidden state, and the export loads back with speculators' from_pretrained with identical logits."""
 
@@ -8,13 +8,13 @@ import json
 
 import pytest
 import torch
+from eagle3_train.common.hidden_store import HiddenStates
+from eagle3_train.train import draft as D
+from eagle3_train.train import draft_core as core
 from helpers_train import build_mapping, build_store
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig
-
-from eagle3_train import draft as D
-from eagle3_train.hidden_store import HiddenStates
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def inputs(tmp_path_factory, llama_target_dir):
     m = load_file(str(mapping / "vocab_mapping.safetensors"))
     return {"target": llama_target_dir, "cfg": AutoConfig.from_pretrained(llama_target_dir),
             "store": HiddenStates(store), "d2t": m["d2t"], "t2d": m["t2d"],
-            "weights": D.load_target_weights(llama_target_dir)}
+            "weights": core.load_target_weights(llama_target_dir)}
 
 
 def make(inputs, **kw):
@@ -73,11 +73,11 @@ def test_unroll_equals_speculators_forward(inputs):
     store = inputs["store"]
     model = make(inputs, attn_impl="sdpa").eval()
     ids = inputs["t2d"].nonzero().squeeze(1)
-    head = D.target_head(inputs["cfg"], inputs["weights"], ids, "cpu", torch.float32)
+    head = core.target_head(inputs["cfg"], inputs["weights"], ids, "cpu", torch.float32)
     aux, tok, pos, doc, last, mask = packed(store, store.ids[:2])
     steps, gamma = 3, 0.8
     with torch.no_grad():
-        mine = list(D.unroll(model, aux, tok, pos, doc, steps))
+        mine = list(core.unroll(model, aux, tok, pos, doc, steps))
 
     class Norm(torch.nn.Module):
         def forward(self, x):
@@ -106,7 +106,7 @@ def test_unroll_equals_speculators_forward(inputs):
 def test_dense_mask_equals_speculators_mask(inputs):
     model = make(inputs, attn_impl="sdpa")
     doc = torch.tensor([0] * 5 + [1] * 7 + [2] * 3 + [-1] * 4)
-    assert torch.equal(D.dense_mask(doc), model._build_attn_mask(doc, doc.shape[0], "cpu"))
+    assert torch.equal(core.dense_mask(doc), model._build_attn_mask(doc, doc.shape[0], "cpu"))
 
 
 def test_target_head_reproduces_target_logits(inputs, llama_target_dir):
@@ -119,7 +119,7 @@ def test_target_head_reproduces_target_logits(inputs, llama_target_dir):
     with torch.no_grad():
         logits = target(s.input_ids[None]).logits[0]
     ids = inputs["t2d"].nonzero().squeeze(1)
-    head = D.target_head(inputs["cfg"], inputs["weights"], ids, "cpu", torch.float32)
+    head = core.target_head(inputs["cfg"], inputs["weights"], ids, "cpu", torch.float32)
     torch.testing.assert_close(head.draft_logits(s.last), logits[:, ids], atol=1e-4, rtol=1e-4)
     assert torch.equal(head.greedy(s.last, chunk=7), logits.argmax(-1))
     dl, greedy = head.targets(s.last)
@@ -155,8 +155,8 @@ def test_export_loads_in_speculators_with_identical_logits(inputs, tmp_path):
     assert type(loaded) is type(model)
     aux, tok, pos, doc, _, _ = packed(store, store.ids[:2])
     with torch.no_grad():
-        a = list(D.unroll(model, aux, tok, pos, doc, 4))
-        b = list(D.unroll(loaded.eval(), aux, tok, pos, doc, 4))
+        a = list(core.unroll(model, aux, tok, pos, doc, 4))
+        b = list(core.unroll(loaded.eval(), aux, tok, pos, doc, 4))
         tokens = loaded(hidden_states=aux, input_ids=tok, document_ids=doc[None], position_ids=pos, ttt_steps=4)
     for x, y, t in zip(a, b, tokens):
         assert torch.equal(x, y)
@@ -197,8 +197,8 @@ def test_bf16_export_is_bf16_on_disk_and_loads_back_identical_in_bf16(inputs, tm
     assert loaded.fc.weight.dtype == torch.float32
     aux, tok, pos, doc, _, _ = packed(store, store.ids[:2])
     with torch.no_grad():
-        a = list(D.unroll(model.eval(), aux, tok, pos, doc, 3))
-        b = list(D.unroll(loaded, aux, tok, pos, doc, 3))
+        a = list(core.unroll(model.eval(), aux, tok, pos, doc, 3))
+        b = list(core.unroll(loaded, aux, tok, pos, doc, 3))
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
@@ -213,7 +213,7 @@ def test_narrow_draft_learns_its_own_embeddings_and_exports_them(inputs, tmp_pat
     assert not model.embed_tokens.weight.isnan().any()
     store = inputs["store"]
     aux, tok, pos, doc, _, _ = packed(store, store.ids[:1])
-    logits = list(D.unroll(model, aux, tok, pos, doc, 2))
+    logits = list(core.unroll(model, aux, tok, pos, doc, 2))
     assert logits[0].shape == (1, tok.shape[1], 96)
     out = D.export_draft(model, tmp_path / "narrow")
     cfg = json.loads((out / "config.json").read_text())
@@ -237,7 +237,7 @@ def test_qwen3_style_draft(inputs, tmp_path):
     assert type(model.layers[0]).__name__ == "Qwen3DecoderEagle3FirstLayer"
     store = inputs["store"]
     aux, tok, pos, doc, _, _ = packed(store, store.ids[:1])
-    assert next(D.unroll(model, aux, tok, pos, doc, 1)).shape[-1] == 96
+    assert next(core.unroll(model, aux, tok, pos, doc, 1)).shape[-1] == 96
     cfg = json.loads((D.export_draft(model, tmp_path / "q") / "config.json").read_text())
     assert cfg["transformer_layer_config"]["model_type"] == "qwen3"
 
@@ -277,5 +277,5 @@ def test_other_attention_paths_give_the_sdpa_logits(inputs, impl):
     other.load_state_dict(ref.state_dict())
     n = aux.shape[1] - pad
     with torch.no_grad():
-        for a, b in zip(D.unroll(ref, aux, tok, pos, doc, 3), D.unroll(other, aux, tok, pos, doc, 3)):
+        for a, b in zip(core.unroll(ref, aux, tok, pos, doc, 3), core.unroll(other, aux, tok, pos, doc, 3)):
             torch.testing.assert_close(b[:, :n], a[:, :n], atol=2e-5, rtol=1e-4)

@@ -1,4 +1,4 @@
-"""The MLA draft (`04 --draft-arch mla`, eagle3_train.draft_mla): shaped from the target's MLA config,
+"""The MLA draft (`04 --draft-arch mla`, eagle3_train.train.draft_mla): shaped from the target's MLA config,
 its TTT unroll attends only where the Llama path's does (its own document, causally, plus its own
 earlier steps), the export is vLLM's deepseek_eagle3 format and loads back with identical logits,
 04 trains it end to end, and a target without MLA is refused in one line."""
@@ -9,16 +9,16 @@ import json
 
 import pytest
 import torch
-from helpers import inputs_argv, load_script
+from eagle3_train.common.target_layout import load_config
+from eagle3_train.train import draft as D
+from eagle3_train.train import draft_core as core
+from eagle3_train.train.draft_mla import MlaDraft, load_mla_draft
+from helpers import inputs_argv, stage_cli
 from helpers_train import train_inputs
 from reliability.checks import assert_one_error_line
 from safetensors import safe_open
 
-from eagle3_train import draft as D
-from eagle3_train.draft_mla import MlaDraft, load_mla_draft
-from eagle3_train.target_layout import load_config
-
-stage = load_script("04_train")
+stage = stage_cli("04_train")
 V = 163840
 AUX = [1, 2, 3]
 
@@ -29,7 +29,7 @@ def twin(kimi_random_twin_dir):
     t2d[torch.randperm(V, generator=torch.Generator().manual_seed(0))[:64]] = True
     ids = t2d.nonzero().squeeze(1)
     return {"target": kimi_random_twin_dir, "cfg": load_config(kimi_random_twin_dir), "t2d": t2d,
-            "d2t": ids - torch.arange(64), "weights": D.load_target_weights(kimi_random_twin_dir)}
+            "d2t": ids - torch.arange(64), "weights": core.load_target_weights(kimi_random_twin_dir)}
 
 
 def make(twin, **kw):
@@ -62,9 +62,9 @@ def test_mla_draft_takes_the_targets_mla_dims_and_the_eagle3_inputs(twin):
     assert torch.equal(model.embed_tokens.weight, twin["weights"]["embed"])
     assert torch.equal(model.lm_head.weight, twin["weights"]["lm_head"][twin["t2d"]])
     assert not model.embed_tokens.weight.requires_grad and not model.lm_head.weight.requires_grad
-    assert torch.equal(D.draft_to_target(model)(torch.arange(64)), twin["t2d"].nonzero().squeeze(1))
+    assert torch.equal(core.draft_to_target(model)(torch.arange(64)), twin["t2d"].nonzero().squeeze(1))
     aux, tok, pos, doc = batch()
-    out = list(D.unroll(model, aux, tok, pos, doc, 3))
+    out = list(core.unroll(model, aux, tok, pos, doc, 3))
     assert [o.shape for o in out] == [(1, 24, 64)] * 3
     sum(o.float().pow(2).mean() for o in out).backward()
     assert model.fc.weight.grad.abs().sum() > 0 and attn.kv_b_proj.weight.grad.abs().sum() > 0
@@ -81,13 +81,13 @@ def test_ttt_attention_stays_in_its_document_and_causal(twin):
     model = make(twin).eval()
     aux, tok, pos, doc = batch()
     with torch.no_grad():
-        ref = list(D.unroll(model, aux, tok, pos, doc, 3))
+        ref = list(core.unroll(model, aux, tok, pos, doc, 3))
         later = aux.clone()
         later[0, 9:] += 1.0  # doc 0 from position 9 on, and all of doc 1
-        got = list(D.unroll(model, later, tok, pos, doc, 3))
+        got = list(core.unroll(model, later, tok, pos, doc, 3))
         other_doc = aux.clone()
         other_doc[0, 14:] += 1.0  # doc 1 only
-        got_doc = list(D.unroll(model, other_doc, tok, pos, doc, 3))
+        got_doc = list(core.unroll(model, other_doc, tok, pos, doc, 3))
     for k in range(3):
         torch.testing.assert_close(got[k][:, :9], ref[k][:, :9], atol=1e-5, rtol=1e-5)
         assert not torch.allclose(got[k][:, 9:14], ref[k][:, 9:14])
@@ -133,7 +133,7 @@ def test_export_is_vllms_deepseek_eagle3_format_and_loads_back_identically(twin,
     loaded = load_mla_draft(out, twin["target"]).eval()
     aux, tok, pos, doc = batch(1)
     with torch.no_grad():
-        for a, b in zip(D.unroll(model, aux, tok, pos, doc, 3), D.unroll(loaded, aux, tok, pos, doc, 3)):
+        for a, b in zip(core.unroll(model, aux, tok, pos, doc, 3), core.unroll(loaded, aux, tok, pos, doc, 3)):
             assert torch.equal(a, b)
     # 05 reads it through the same door as a speculators export.
     from eagle3_train.evaluate.draft import draft_k, draft_target, load_draft, read_draft_config
@@ -144,7 +144,7 @@ def test_export_is_vllms_deepseek_eagle3_format_and_loads_back_identically(twin,
     assert isinstance(again, MlaDraft)
     with torch.no_grad():  # 05's offline walk calls it as speculators' inference forward
         greedy = again(hidden_states=aux, input_ids=tok, document_ids=doc[None], position_ids=pos, ttt_steps=3)
-        assert [torch.equal(g, lg.argmax(-1)) for g, lg in zip(greedy, D.unroll(model, aux, tok, pos, doc, 3))] \
+        assert [torch.equal(g, lg.argmax(-1)) for g, lg in zip(greedy, core.unroll(model, aux, tok, pos, doc, 3))] \
             == [True] * 3
 
 
@@ -154,7 +154,7 @@ def ds_inputs(tmp_path_factory, deepseek_target_dir):
 
 
 def test_04_trains_and_exports_an_mla_draft(ds_inputs, tmp_path):
-    from eagle3_train.manifest import read_manifest
+    from eagle3_train.common.manifest import read_manifest
     from eagle3_train.train import run
     from eagle3_train.train.metrics import read_metrics
 
@@ -181,7 +181,7 @@ def test_fc_norm_puts_each_aux_layer_on_one_scale(twin):
     for on in (True, False):
         model = make(twin, norm_before_fc=on).eval()
         with torch.no_grad():
-            a, b = (next(D.unroll(model, x, tok, pos, doc, 1)) for x in (aux, scaled))
+            a, b = (next(core.unroll(model, x, tok, pos, doc, 1)) for x in (aux, scaled))
         assert torch.allclose(a, b, atol=1e-4) is on
 
 
@@ -220,5 +220,5 @@ def test_other_attention_paths_give_the_sdpa_logits(twin, impl):
     other = make(twin, attn_impl=impl).eval()
     other.load_state_dict(ref.state_dict())
     with torch.no_grad():
-        for a, b in zip(D.unroll(ref, aux, tok, pos, doc, 3), D.unroll(other, aux, tok, pos, doc, 3)):
+        for a, b in zip(core.unroll(ref, aux, tok, pos, doc, 3), core.unroll(other, aux, tok, pos, doc, 3)):
             torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)

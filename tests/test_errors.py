@@ -1,4 +1,4 @@
-"""eagle3_train.errors.run_main, directly: what a user can cause (bad input, disk full, no
+"""eagle3_train.common.errors.run_main, directly: what a user can cause (bad input, disk full, no
 permission, a file where a directory goes) is one `error:` line and exit 2; Ctrl-C says the run
 resumes, exit 130; anything else is a bug and keeps its traceback."""
 
@@ -8,8 +8,7 @@ import errno
 import os
 
 import pytest
-
-from eagle3_train.errors import PipelineError, run_main
+from eagle3_train.common.errors import PipelineError, run_main
 
 
 def raising(exc):

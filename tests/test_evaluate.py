@@ -7,13 +7,12 @@ import json
 
 import pytest
 import torch
-
-from eagle3_train.errors import PipelineError
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.hidden_store import HiddenStates
 from eagle3_train.evaluate.draft import load_draft, load_target_head
 from eagle3_train.evaluate.offline import draft_step_tokens, offline_eval
 from eagle3_train.evaluate.online import spec_config, spec_counters, spec_delta
-from eagle3_train.hidden_store import HiddenStates
-from helpers import load_script
+from helpers import stage_cli
 from helpers_draft import make_greedy_store, make_random_draft
 
 
@@ -106,9 +105,9 @@ def test_packing_samples_gives_the_same_proposals_as_one_by_one(store_dir, draft
 @pytest.mark.parametrize("norm_before_fc,norm_output", [(False, False), (True, False), (True, True)])
 def test_load_draft_reads_04s_export_of_a_draft_narrower_than_the_target(tmp_path, store_dir, llama_target_dir,
                                                                          norm_before_fc, norm_output):
+    from eagle3_train.train import draft as dr
+    from eagle3_train.train import draft_core as core
     from transformers import AutoConfig
-
-    from eagle3_train import draft as dr
 
     cfg = AutoConfig.from_pretrained(llama_target_dir)
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
@@ -116,7 +115,7 @@ def test_load_draft_reads_04s_export_of_a_draft_narrower_than_the_target(tmp_pat
     ids = t2d.nonzero().squeeze(1)
     d2t = ids - torch.arange(len(ids))
     model = dr.build_draft(str(llama_target_dir), cfg, aux_layer_ids=[2, 4, 5], d2t=d2t, t2d=t2d,
-                           weights=dr.load_target_weights(llama_target_dir), hidden_size=64,
+                           weights=core.load_target_weights(llama_target_dir), hidden_size=64,
                            norm_before_fc=norm_before_fc, norm_output=norm_output).eval()
     if norm_before_fc:  # not the init's ones, so a norm that is not loaded shows
         torch.nn.init.normal_(model.input_norm.weight, 1.0, 0.5)
@@ -147,7 +146,7 @@ def test_spec_counters_and_delta():
 
 
 def test_05_offline_report_manifest_resume_and_refusals(tmp_path, store_dir, draft_dir, llama_target_dir):
-    script = load_script("05_evaluate")
+    script = stage_cli("05_evaluate")
     out = tmp_path / "eval"
     argv = ["--draft", str(draft_dir), "--store", str(store_dir), "--output-dir", str(out)]
     assert script.main(argv) == 0
@@ -176,7 +175,7 @@ def test_05_offline_report_manifest_resume_and_refusals(tmp_path, store_dir, dra
 
 
 def test_05_refuses_mismatched_inputs(tmp_path, store_dir, draft_dir, llama_target_dir, deepseek_target_dir):
-    script = load_script("05_evaluate")
+    script = stage_cli("05_evaluate")
     out = tmp_path / "eval"
     with pytest.raises(PipelineError, match="no config.json"):
         script.main(["--draft", str(tmp_path), "--store", str(store_dir), "--output-dir", str(out)])
@@ -201,13 +200,12 @@ def test_05_refuses_mismatched_inputs(tmp_path, store_dir, draft_dir, llama_targ
 def test_05_max_model_len_follows_max_tokens_or_is_refused(tmp_path, draft_dir, llama_target_dir):
     """Default: the longest prompt (as the server renders it) + --max-tokens; a smaller explicit
     --max-model-len is one error line naming both numbers, before anything is written."""
+    from eagle3_testkit.tiny import write_prompt_file
+    from eagle3_train.common.prompts import load_prompts
+    from eagle3_train.evaluate.stage import Evaluation, longest_prompt
     from transformers import AutoTokenizer
 
-    from eagle3_train.evaluate.run import Evaluation, longest_prompt
-    from eagle3_train.prompts import load_prompts
-    from eagle3_train.tiny import write_prompt_file
-
-    script = load_script("05_evaluate")
+    script = stage_cli("05_evaluate")
     prompts = write_prompt_file(tmp_path / "heldout.jsonl", 4, seed=99)
     longest = longest_prompt(AutoTokenizer.from_pretrained(llama_target_dir), load_prompts(str(prompts)).prompts)
     assert longest > 5
@@ -241,7 +239,7 @@ def test_offline_in_bf16_follows_fp32_and_the_chunked_head_equals_the_whole(stor
 
 @pytest.fixture(scope="module")
 def eagle3_server(draft_dir, llama_target_dir, tmp_path_factory):
-    from eagle3_train.vllm_server import VllmServer
+    from eagle3_train.common.vllm_server import VllmServer
 
     spec = spec_config("eagle3", draft_dir, 3, (2, 5))
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
@@ -251,9 +249,9 @@ def eagle3_server(draft_dir, llama_target_dir, tmp_path_factory):
 
 @pytest.mark.vllm
 def test_05_online_reads_vllms_spec_decode_counters(tmp_path, eagle3_server, draft_dir):
-    from eagle3_train.tiny import write_prompt_file
+    from eagle3_testkit.tiny import write_prompt_file
 
-    script = load_script("05_evaluate")
+    script = stage_cli("05_evaluate")
     prompts = write_prompt_file(tmp_path / "heldout.jsonl", 6, seed=99)
     out = tmp_path / "eval"
     argv = ["--draft", str(draft_dir), "--prompts", str(prompts), "--output-dir", str(out),
@@ -276,9 +274,9 @@ def test_05_online_reads_vllms_spec_decode_counters(tmp_path, eagle3_server, dra
 
 @pytest.mark.vllm
 def test_05_refuses_a_speculating_server_as_the_no_speculation_baseline(tmp_path, eagle3_server, draft_dir):
-    from eagle3_train.tiny import write_prompt_file
+    from eagle3_testkit.tiny import write_prompt_file
 
-    script = load_script("05_evaluate")
+    script = stage_cli("05_evaluate")
     prompts = write_prompt_file(tmp_path / "heldout.jsonl", 2, seed=99)
     with pytest.raises(PipelineError, match="arm none: .* speculates"):
         script.main(["--draft", str(draft_dir), "--prompts", str(prompts), "--output-dir", str(tmp_path / "e"),

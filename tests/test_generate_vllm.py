@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from eagle3_testkit.tiny import write_prompt_file
+from eagle3_train.tokenize.dataset import TrainingSet
 from helpers_generate import read_records, run_gen
-
-from eagle3_train.dataset import TrainingSet
-from eagle3_train.tiny import write_prompt_file
 
 pytestmark = pytest.mark.vllm
 N = 30

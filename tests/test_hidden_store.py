@@ -4,12 +4,11 @@ import json
 
 import pytest
 import torch
+from eagle3_train.common import hidden_store as hs
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.hidden_checks import validate_shard
+from eagle3_train.common.manifest import write_manifest
 from safetensors.torch import load_file, save_file
-
-from eagle3_train import hidden_store as hs
-from eagle3_train.errors import PipelineError
-from eagle3_train.hidden_checks import validate_shard
-from eagle3_train.manifest import write_manifest
 
 H, NAUX, K = 16, 3, 4
 
@@ -169,10 +168,9 @@ def test_shard_metadata_describes_the_shard(tmp_path):
 
 def test_reader_keeps_a_bounded_number_of_shards_open(tmp_path, monkeypatch):
     import torch
-
-    from eagle3_train import hidden_store
-    from eagle3_train.hidden_store import HiddenStates, write_shard
-    from eagle3_train.manifest import write_manifest
+    from eagle3_train.common import hidden_store
+    from eagle3_train.common.hidden_store import HiddenStates, write_shard
+    from eagle3_train.common.manifest import write_manifest
 
     for k in range(5):
         n = 3

@@ -14,7 +14,7 @@ from reliability import assert_one_error_line, assert_unchanged, run_inprocess, 
 
 @pytest.fixture(scope="module")
 def twin_tokset(kimi_random_twin_dir, tmp_path_factory):
-    from eagle3_train.fixtures import synthetic_training_set
+    from eagle3_testkit.fixtures import synthetic_training_set
 
     return synthetic_training_set(tmp_path_factory.mktemp("kimi") / "tok", kimi_random_twin_dir, n=6, seed=3)
 

@@ -8,13 +8,12 @@ import json
 
 import pytest
 import torch
-
-from eagle3_train.kimi_twin import KIMI_SPECIALS, KIMI_VOCAB
+from eagle3_testkit.kimi_twin import KIMI_SPECIALS, KIMI_VOCAB
 
 
 @pytest.fixture(scope="module")
 def tok(kimi_random_twin_dir):
-    from eagle3_train.tokenization import load_tokenizer
+    from eagle3_train.common.tokenization import load_tokenizer
 
     return load_tokenizer(str(kimi_random_twin_dir))
 
@@ -72,8 +71,8 @@ def test_checkpoint_uses_the_real_key_names_and_transformers_loads_it(kimi_rando
 
 
 def test_text_config_sets_kimis_fields(kimi_random_twin_dir):
-    from eagle3_train.manifest import text_config
-    from eagle3_train.target_layout import load_config
+    from eagle3_train.common.manifest import text_config
+    from eagle3_train.common.target_layout import load_config
 
     raw = json.loads((kimi_random_twin_dir / "config.json").read_text())
     assert raw["architectures"] == ["KimiK25ForConditionalGeneration"] and raw["model_type"] == "kimi_k25"
@@ -90,9 +89,8 @@ def test_text_config_sets_kimis_fields(kimi_random_twin_dir):
 
 
 def test_04_and_05_read_the_head_from_the_wrappers_names(kimi_random_twin_dir):
+    from eagle3_train.train.draft_core import load_target_weights
     from safetensors import safe_open
-
-    from eagle3_train.draft import load_target_weights
 
     w = load_target_weights(kimi_random_twin_dir)
     with safe_open(str(kimi_random_twin_dir / "model.safetensors"), "pt") as f:
@@ -105,11 +103,10 @@ def test_04_and_05_read_the_head_from_the_wrappers_names(kimi_random_twin_dir):
 def test_02_extracts_through_the_wrapper_as_the_plain_text_model(tmp_path, kimi_random_twin_dir):
     """02's hooks sit on the wrapper's language model: its states equal a plain DeepSeek-V3 built
     from the nested text_config with the `language_model.` weights."""
+    from eagle3_train.common.target_layout import load_config
+    from eagle3_train.extract.hf import HFTarget
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3ForCausalLM
-
-    from eagle3_train.extract_hf import HFTarget
-    from eagle3_train.target_layout import load_config
 
     cfg = load_config(kimi_random_twin_dir).text_config
     t = HFTarget(str(kimi_random_twin_dir), num_layers=cfg.num_hidden_layers, aux_ids=[1, 2, 3], storage="bf16",
@@ -133,7 +130,7 @@ def test_02_extracts_through_the_wrapper_as_the_plain_text_model(tmp_path, kimi_
 
 
 def test_vllm_cpu_serve_args_follow_the_checkpoint(kimi_random_twin_dir, deepseek_target_dir, llama_target_dir):
-    from eagle3_train.vllm_server import server_command
+    from eagle3_train.common.vllm_server import server_command
 
     kimi = server_command(str(kimi_random_twin_dir), 1, cpu=True)
     assert {"--trust-remote-code", "--language-model-only"} <= set(kimi)
@@ -148,8 +145,8 @@ def test_vllm_cpu_refuses_an_mla_target_with_plain_rope(tmp_path, deepseek_targe
     DeepSeek fixture failed with it): such a target is refused on CPU, not served wrong; GPU is fine."""
     import shutil
 
-    from eagle3_train.errors import PipelineError
-    from eagle3_train.vllm_server import server_command
+    from eagle3_train.common.errors import PipelineError
+    from eagle3_train.common.vllm_server import server_command
 
     plain = tmp_path / "plain"
     shutil.copytree(deepseek_target_dir, plain)

@@ -10,8 +10,7 @@ import subprocess
 import sys
 
 import pytest
-
-from eagle3_train.fixtures import REPO_ROOT
+from eagle3_testkit.fixtures import REPO_ROOT
 
 # A draft that is never accepted gives 1.00 (test_evaluate's random draft: 1.00-1.01); any broken
 # link (wrapper names, layer ids, vocab mapping, export) drops it there.
@@ -27,7 +26,7 @@ SHRINK = ["--arms", "eagle3,none", "--concurrency", "8", "--budget", "80"]
 
 
 def _vllm_cpu_has_amx() -> bool:
-    from eagle3_train.vllm_server import vllm_python
+    from eagle3_train.common.vllm_server import vllm_python
 
     r = subprocess.run([vllm_python(), "-c", "import torch; print(torch.cpu._is_amx_tile_supported())"],
                        capture_output=True, text=True, timeout=120)

@@ -27,7 +27,7 @@ def _hf_gaps(model, prompt: list[int], got: list[int]) -> list[float]:
 
 
 def _hf_greedy(target, tokenizer, n: int):
-    from eagle3_train.target_layout import load_model
+    from eagle3_train.common.target_layout import load_model
 
     model = load_model(target, dtype=torch.float32).eval()
     out = []
@@ -44,8 +44,8 @@ def _hf_greedy(target, tokenizer, n: int):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("which", ["deepseek_v3", "kimi_twin"])
 def test_vllm_cpu_generates_what_transformers_does(which, tmp_path, deepseek_target_dir, kimi_random_twin_dir):
-    from eagle3_train.tokenization import load_tokenizer
-    from eagle3_train.vllm_server import VllmServer
+    from eagle3_train.common.tokenization import load_tokenizer
+    from eagle3_train.common.vllm_server import VllmServer
 
     target = {"deepseek_v3": deepseek_target_dir, "kimi_twin": kimi_random_twin_dir}[which]
     n = 12
@@ -91,11 +91,10 @@ def test_real_vllm_extraction_of_the_twin_equals_the_hf_backend(tmp_path, kimi_t
     is the tail of a ValueError raised only when the KV cache has several groups and none of them is
     the hidden-state layer's; with pure MLA every layer (MLAAttentionSpec, and HiddenStateCacheSpec,
     its subclass) lands in one group, so it is not raised and nothing is disabled."""
-    from helpers import load_script, make_training_set
+    from eagle3_train.common import hidden_store as hs
+    from helpers import make_training_set, stage_cli
 
-    from eagle3_train import hidden_store as hs
-
-    stage = load_script("02_extract_hidden_states")
+    stage = stage_cli("02_extract_hidden_states")
     data = make_training_set(tmp_path / "tok", kimi_twin_dir, n=6, seed=3)
     storage = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
     common = ["--input", str(data), "--model", str(kimi_twin_dir), "--shard-mb", "0.05"]
@@ -134,11 +133,10 @@ def test_real_vllm_extraction_of_the_deepseek_fixture_equals_the_hf_backend(tmp_
     from token 1 on (relative error 5e-3 to 1e-2 per layer on this fixture; 0.1 to 0.8 on the
     trained bench target, whose vLLM answers were degenerate). Token 0 was exact, so a check of
     the first position, or of 16 greedy tokens, passes either way."""
-    from helpers import load_script, make_training_set
+    from eagle3_train.common import hidden_store as hs
+    from helpers import make_training_set, stage_cli
 
-    from eagle3_train import hidden_store as hs
-
-    stage = load_script("02_extract_hidden_states")
+    stage = stage_cli("02_extract_hidden_states")
     data = make_training_set(tmp_path / "tok", deepseek_target_dir, n=3, seed=3)
     common = ["--input", str(data), "--model", str(deepseek_target_dir), "--shard-mb", "0.05",
               "--layers", "1,2,3,4,5", "--storage", "fp32", "--dtype", "float32"]

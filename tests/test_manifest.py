@@ -1,4 +1,4 @@
-"""eagle3_train.manifest, directly: a manifest is written last and atomically, read back only when
+"""eagle3_train.common.manifest, directly: a manifest is written last and atomically, read back only when
 complete and of the expected stage, its identity ignores when/how it was written, and a mismatch
 is one line naming both values."""
 
@@ -8,10 +8,17 @@ import json
 from pathlib import Path
 
 import pytest
-
-from eagle3_train.errors import PipelineError
-from eagle3_train.manifest import (MANIFEST, VOLATILE_KEYS, manifest_identity, manifest_of_file, read_manifest,
-                                   require_match, tokenizer_fingerprint, write_manifest)
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.manifest import (
+    MANIFEST,
+    VOLATILE_KEYS,
+    manifest_identity,
+    manifest_of_file,
+    read_manifest,
+    require_match,
+    tokenizer_fingerprint,
+    write_manifest,
+)
 
 
 def test_write_manifest_records_the_run_and_is_read_back(tmp_path):
@@ -87,7 +94,7 @@ def test_tokenizer_fingerprint_follows_vocabulary_and_chat_template():
 
 def test_write_manifest_goes_through_an_atomic_write(tmp_path, monkeypatch):
     """A kill while the manifest is written leaves the old one or none, never half of one."""
-    from eagle3_train import store
+    from eagle3_train.common import store
 
     write_manifest(tmp_path, "s", config={"v": 1})
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import load_script
+from eagle3_testkit.tiny import synthetic_examples
+from helpers import stage_cli
 from test_kimi_twin_e2e import _vllm_cpu_has_amx
-
-from eagle3_train.tiny import synthetic_examples
 
 # A draft that is never accepted gives 1.00; measured: vLLM 1.667 (252 drafts), 05 offline 1.661.
 MIN_AL = 1.2
@@ -27,17 +26,17 @@ MIN_AL = 1.2
 def test_04_mla_draft_served_by_vllm_as_the_twins_eagle3_draft(tmp_path, kimi_twin_dir):
     if not _vllm_cpu_has_amx():
         pytest.skip("vllm-cpu serves an MLA draft only through AMX_MLA (bf16, AMX CPUs)")
-    from eagle3_train.fixtures import synthetic_training_set
+    from eagle3_testkit.fixtures import synthetic_training_set
 
     data = synthetic_training_set(tmp_path / "data", kimi_twin_dir, n=120, seed=0)
     store, vocab, run, ev = (tmp_path / n for n in ("02", "03", "04", "05"))
-    assert load_script("02_extract_hidden_states").main(
+    assert stage_cli("02_extract_hidden_states").main(
         ["--input", str(data), "--model", str(kimi_twin_dir), "--output-dir", str(store), "--backend", "hf"]
     ) in (0, None)
-    assert load_script("03_build_vocab_mapping").main(
+    assert stage_cli("03_build_vocab_mapping").main(
         ["--data", str(data), "--target", str(kimi_twin_dir), "--output-dir", str(vocab),
          "--draft-vocab-size", "256"]) in (0, None)
-    assert load_script("04_train").main(
+    assert stage_cli("04_train").main(
         ["--hidden-states", str(store), "--vocab-mapping", str(vocab), "--target", str(kimi_twin_dir),
          "--output-dir", str(run), "--draft-arch", "mla", "--epochs", "3", "--lr", "3e-3", "--ttt-steps", "3",
          "--max-tokens-per-batch", "1024", "--val-fraction", "0.1", "--warmup-steps", "5", "--threads", "1",
@@ -48,7 +47,7 @@ def test_04_mla_draft_served_by_vllm_as_the_twins_eagle3_draft(tmp_path, kimi_tw
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [
         {"role": "user", "content": ex["question"]}, {"role": "assistant", "content": ex["answer"]}]})
                                + "\n" for i, ex in enumerate(synthetic_examples(6, 99))))
-    assert load_script("05_evaluate").main(
+    assert stage_cli("05_evaluate").main(
         ["--draft", str(run / "export"), "--target", str(kimi_twin_dir), "--store", str(store),
          "--prompts", str(prompts), "--output-dir", str(ev), "--arms", "eagle3,none", "--concurrency", "4",
          "--max-tokens", "160", "--max-model-len", "1024",

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-
 from eagle3_train.train.muon import Muon, orthogonalize
 
 COEFFS = (3.4445, -4.7750, 2.0315)  # torch's default quintic

@@ -10,13 +10,12 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import inputs_argv, load_script, make_training_set
-from helpers_train import train_inputs
-
-from eagle3_train import budget as B
-from eagle3_train import planner
-from eagle3_train.manifest import read_manifest
+from eagle3_train.common.manifest import read_manifest
+from eagle3_train.plan import planner
+from eagle3_train.train import budget as B
 from eagle3_train.train import run
+from helpers import inputs_argv, make_training_set, stage_cli
+from helpers_train import train_inputs
 
 TOLERANCE = 0.25
 
@@ -46,7 +45,7 @@ def shape_of(target_dir: Path) -> planner.Shape:
 def test_02_store_bytes_match_the_plan(tmp_path, k25_tokenizer_dir, llama_target_dir, storage):
     data = make_training_set(tmp_path / "tok", k25_tokenizer_dir, n=24, seed=5)
     out = tmp_path / "store"
-    load_script("02_extract_hidden_states").main(
+    stage_cli("02_extract_hidden_states").main(
         ["--input", str(data), "--model", str(llama_target_dir), "--output", str(out), "--storage", storage,
          "--topk", "8", "--shard-mb", "0.5"])
     counts = read_manifest(data)["counts"]
@@ -63,7 +62,7 @@ def trained(tmp_path_factory, llama_target_dir):
     root = tmp_path_factory.mktemp("plan04")
     inputs = train_inputs(root, llama_target_dir, n=16, shard_size=8, draft_vocab_size=96)
     out = root / "run"
-    run(load_script("04_train").parse_args(inputs_argv(inputs, out, "--max-steps", "3")))
+    run(stage_cli("04_train").parse_args(inputs_argv(inputs, out, "--max-steps", "3")))
     return inputs, out
 
 
@@ -72,7 +71,7 @@ def test_04_checkpoint_and_export_match_the_plan(tmp_path, trained, llama_target
     inputs, out = trained
     if train_lm_head:  # a second run: the trainable set, hence the checkpoint, grows by lm_head
         out = tmp_path / "run"
-        run(load_script("04_train").parse_args(inputs_argv(inputs, out, "--max-steps", "3", "--train-lm-head")))
+        run(stage_cli("04_train").parse_args(inputs_argv(inputs, out, "--max-steps", "3", "--train-lm-head")))
     flags = planner.Flags(samples=16, tokens_per_sample=100, draft_vocab_size=96, n_aux=3,
                           train_lm_head=train_lm_head)
     shape = shape_of(llama_target_dir)
@@ -90,7 +89,7 @@ def test_04_checkpoint_and_export_match_the_plan(tmp_path, trained, llama_target
 def test_04_memory_matches_the_plan(tmp_path, trained, extra):
     memory = load_module(Path(__file__).parents[1] / "scripts" / "bench_train_memory.py")
     inputs, _ = trained
-    rows, flags = memory.compare(load_script("04_train").parse_args(inputs_argv(inputs, tmp_path / "r", *extra)))
+    rows, flags = memory.compare(stage_cli("04_train").parse_args(inputs_argv(inputs, tmp_path / "r", *extra)))
     print({k: round(r["ratio"], 3) for k, r in rows.items()})
     assert rows["activations"]["measured"] > rows["weights"]["measured"]  # the batch, not the draft, dominates
     for part in ("weights", "grads_and_adam", "activations", "total"):
@@ -108,7 +107,7 @@ def test_04_memory_of_the_mla_draft_matches_the_plan(tmp_path, mla_inputs, extra
     """The MLA layer keeps more per TTT step than the Llama one (each step expands the whole latent
     cache again through kv_b, and dense attention keeps scores over it): the plan follows."""
     memory = load_module(Path(__file__).parents[1] / "scripts" / "bench_train_memory.py")
-    rows, flags = memory.compare(load_script("04_train").parse_args(inputs_argv(mla_inputs, tmp_path / "r", *extra)))
+    rows, flags = memory.compare(stage_cli("04_train").parse_args(inputs_argv(mla_inputs, tmp_path / "r", *extra)))
     print({k: round(r["ratio"], 3) for k, r in rows.items()})
     assert flags.draft_arch == "auto" and planner.is_mla(shape_of(mla_inputs["target"]), flags)
     for part in ("weights", "grads_and_adam", "activations", "total"):
@@ -119,7 +118,7 @@ def test_mla_draft_parameters_are_counted_exactly(tmp_path, mla_inputs):
     from safetensors import safe_open
 
     out = tmp_path / "run"
-    run(load_script("04_train").parse_args(inputs_argv(mla_inputs, out, "--max-steps", "1")))
+    run(stage_cli("04_train").parse_args(inputs_argv(mla_inputs, out, "--max-steps", "1")))
     with safe_open(str(out / "export" / "model.safetensors"), "pt") as f:
         exported = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys() if k not in ("d2t", "t2d"))
     flags = planner.Flags(samples=16, tokens_per_sample=100, draft_vocab_size=96, n_aux=3)
@@ -146,7 +145,7 @@ def test_the_plan_builds_the_draft_04_builds_for_kimi(tmp_path):
     assert p["draft"] == "mla" and p["epochs"] == 1 and p["steps"] == 30518  # 1e9 tokens / (4096 x 8 GPUs)
     small = planner.plan(kimi, planner.Flags(samples=2000, tokens_per_sample=240, gpus=1))["stages"]["04"]
     assert small["epochs"] == 9 and small["steps"] >= 1000  # 04's rule: the fewest epochs to 1,000 steps
-    from eagle3_train.errors import PipelineError
+    from eagle3_train.common.errors import PipelineError
 
     llama_shape = planner.Shape(layers=2, hidden=64, vocab=500, heads=4, kv_heads=2, head_dim=16, intermediate=128)
     with pytest.raises(PipelineError, match="multi-head latent attention"):
@@ -155,10 +154,10 @@ def test_the_plan_builds_the_draft_04_builds_for_kimi(tmp_path):
 
 def test_dry_runs_print_the_plan_and_write_nothing(tmp_path, trained, k25_tokenizer_dir, llama_target_dir, capsys):
     data = make_training_set(tmp_path / "tok", k25_tokenizer_dir, n=4, seed=6)
-    assert load_script("02_extract_hidden_states").main(
+    assert stage_cli("02_extract_hidden_states").main(
         ["--input", str(data), "--model", str(llama_target_dir), "--output", str(tmp_path / "s"), "--dry-run"]) == 0
     inputs, _ = trained
-    assert load_script("04_train").main(inputs_argv(inputs, tmp_path / "r", "--dry-run", lr=None)) == 0
+    assert stage_cli("04_train").main(inputs_argv(inputs, tmp_path / "r", "--dry-run", lr=None)) == 0
     out = capsys.readouterr().out
     assert "02 plan:" in out and "04 plan:" in out, out
     hidden = json.loads((Path(inputs["target"]) / "config.json").read_text())["hidden_size"]
@@ -169,7 +168,7 @@ def test_dry_runs_print_the_plan_and_write_nothing(tmp_path, trained, k25_tokeni
 def test_plan_script_reads_a_wrapper_config_and_prints_json(tmp_path, capsys):
     cfg = json.loads((Path(__file__).parents[1] / "docs" / "kimi-k2.5-text-config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": cfg}))
-    assert load_script("00_plan").main(["--target", str(tmp_path / "config.json"), "--samples", "10",
+    assert stage_cli("00_plan").main(["--target", str(tmp_path / "config.json"), "--samples", "10",
                                         "--tokens-per-sample", "1000", "--json", "--rate-02", "1000"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert p["tokens"] == 10000 and p["stages"]["02"]["rate_source"] == "given"

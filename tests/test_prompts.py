@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from eagle3_train.errors import PipelineError
-from eagle3_train.prompts import content_id, load_prompts, parse_shard, row_to_prompt, select
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.prompts import content_id, load_prompts, parse_shard, row_to_prompt, select
 
 
 def write_jsonl(path, rows):

@@ -7,18 +7,17 @@ import json
 
 import pytest
 import torch
-from helpers import inputs_argv, load_script
-from helpers_train import train_inputs
-from safetensors.torch import load_file
-
-from eagle3_train import budget as B
-from eagle3_train.errors import PipelineError
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.train import budget as B
 from eagle3_train.train import run
 from eagle3_train.train.checkpoint import checkpoints
 from eagle3_train.train.metrics import read_metrics
 from eagle3_train.train.recipe import build_optimizers, split_params
+from helpers import inputs_argv, stage_cli
+from helpers_train import train_inputs
+from safetensors.torch import load_file
 
-stage = load_script("04_train")
+stage = stage_cli("04_train")
 
 
 @pytest.mark.parametrize("text,kind,amount", [
@@ -71,9 +70,8 @@ def test_length_from_each_kind_of_budget():
 
 
 def _draft(target_dir, **kw):
+    from eagle3_train.train.draft import build_draft
     from transformers import AutoConfig
-
-    from eagle3_train.draft import build_draft
 
     return build_draft(str(target_dir), AutoConfig.from_pretrained(target_dir), aux_layer_ids=[1, 2, 3], d2t=None,
                        t2d=None, weights=None, **kw)

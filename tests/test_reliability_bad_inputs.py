@@ -16,9 +16,16 @@ from pathlib import Path
 
 import pytest
 from helpers_generate import FaultServer, write_prompts
-from reliability import (Chain, Result, assert_one_error_line, assert_unchanged, chain, fault_server,  # noqa: F401
-                         run_inprocess, snapshot)
-
+from reliability import (  # noqa: F401
+    Chain,
+    Result,
+    assert_one_error_line,
+    assert_unchanged,
+    chain,
+    fault_server,
+    run_inprocess,
+    snapshot,
+)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +125,7 @@ def test_01b_bad_prompt_rows(row, needles, tmp_path, fault_server, capfd):
 
 
 def test_01b_server_unreachable(tmp_path, capfd):
-    from eagle3_train.vllm_server import free_port
+    from eagle3_train.common.vllm_server import free_port
 
     prompts = write_prompts(tmp_path / "p.jsonl", ["a", "b"])
     url = f"http://127.0.0.1:{free_port()}/v1"
@@ -127,7 +134,7 @@ def test_01b_server_unreachable(tmp_path, capfd):
 
 
 def test_05_server_unreachable(chain, tmp_path, capfd):
-    from eagle3_train.vllm_server import free_port
+    from eagle3_train.common.vllm_server import free_port
 
     prompts = write_prompts(tmp_path / "p.jsonl", ["a"])
     url = f"http://127.0.0.1:{free_port()}/v1"

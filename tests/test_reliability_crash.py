@@ -14,10 +14,20 @@ import os
 import shutil
 
 import pytest
-from helpers import load_script
+from helpers import stage_cli
 from helpers_generate import FaultServer, write_prompts
-from reliability import (VIEWS, StageSpec, argv01b, chain, fault_server,  # noqa: F401
-                         reference_from, reference_run, replicate_training_set, sweep, temp_files)
+from reliability import (  # noqa: F401
+    VIEWS,
+    StageSpec,
+    argv01b,
+    chain,
+    fault_server,
+    reference_from,
+    reference_run,
+    replicate_training_set,
+    sweep,
+    temp_files,
+)
 
 SLOW_TRIALS = int(os.environ.get("RELIABILITY_TRIALS", "20"))
 STAGES = ["01b", "01c", "02", "03", "04", "05"]
@@ -51,7 +61,7 @@ def stage01b(root, slow_server):
 @pytest.fixture(scope="module")
 def raw_dir(root, stage01b):
     out = root / "raw"
-    assert load_script(stage01b.script).main(stage01b.args(out)) == 0
+    assert stage_cli(stage01b.script).main(stage01b.args(out)) == 0
     return out
 
 
@@ -104,7 +114,7 @@ def inprocess_reference(root, request):
             if stage == "01b":
                 out = request.getfixturevalue("raw_dir")
             else:
-                assert load_script(spec.script).main(spec.args(out)) == 0
+                assert stage_cli(spec.script).main(spec.args(out)) == 0
             cache[stage] = (spec, reference_from(spec, out))
         return cache[stage]
 
@@ -112,7 +122,7 @@ def inprocess_reference(root, request):
 
 
 def in_process(spec: StageSpec):
-    return lambda out: load_script(spec.script).main(spec.args(out))
+    return lambda out: stage_cli(spec.script).main(spec.args(out))
 
 
 # ----------------------------------------------------------------------------- the trials
@@ -164,10 +174,10 @@ def test_04_killed_right_after_a_checkpoint_commit_loses_no_metrics_record(chain
     out = tmp_path / "run"
     monkeypatch.setattr(Checkpointer, "save", commit_then_die)
     with pytest.raises(KeyboardInterrupt):
-        load_script("04_train").main(chain.argv04(out))
+        stage_cli("04_train").main(chain.argv04(out))
     monkeypatch.setattr(Checkpointer, "save", real)
     assert [s for s, _ in checkpoints(out)][-1] == 6 and not (out / "manifest.json").exists()
-    assert load_script("04_train").main(chain.argv04(out)) == 0
+    assert stage_cli("04_train").main(chain.argv04(out)) == 0
     kinds = lambda d: {(r["kind"], r["step"]) for r in map(json.loads, VIEWS["04"](d)["metrics.jsonl"])}  # noqa: E731
     missing = sorted(kinds(chain.run) - kinds(out))
     assert not missing, f"metrics records lost by a kill right after the checkpoint commit: {missing}"
@@ -181,6 +191,6 @@ def test_02_rerun_after_a_kill_during_its_manifest_write_leaves_no_temp_file(cha
     out = tmp_path / "hs"
     shutil.copytree(chain.hs, out, ignore=shutil.ignore_patterns(".lock", "manifest.json"))
     (out / ".tmp-manifest.json.k1ll3d").write_text('{"stage": "02_extract_hid')
-    assert load_script("02_extract_hidden_states").main(chain.argv02(out)) == 0
+    assert stage_cli("02_extract_hidden_states").main(chain.argv02(out)) == 0
     assert (out / "manifest.json").exists()
     assert not temp_files(out), f"left behind: {temp_files(out)}"

@@ -10,8 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from reliability import (Reference, StageSpec, crash_trial, jsonl_view, moments, safetensors_view, strict_jsonl,
-                         sweep, tree_view)
+from reliability import (
+    Reference,
+    StageSpec,
+    crash_trial,
+    jsonl_view,
+    moments,
+    safetensors_view,
+    strict_jsonl,
+    sweep,
+    tree_view,
+)
 from safetensors.torch import save_file
 
 

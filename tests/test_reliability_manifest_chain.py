@@ -12,15 +12,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import load_script, make_training_set, train_argv
+from eagle3_train.common.manifest import describe_target, manifest_identity, tokenizer_fingerprint
+from eagle3_train.common.store import file_sha256
+from helpers import make_training_set, stage_cli, train_argv
 from reliability import CHAIN_TRAIN, HS_ARGS, assert_one_error_line, chain, fault_server, run_inprocess  # noqa: F401
-
-from eagle3_train.manifest import describe_target, manifest_identity, tokenizer_fingerprint
-from eagle3_train.store import file_sha256
 
 
 def ok(script: str, argv) -> None:
-    assert load_script(script).main([str(a) for a in argv]) == 0
+    assert stage_cli(script).main([str(a) for a in argv]) == 0
 
 
 def manifest(d: Path) -> dict:

@@ -16,10 +16,25 @@ from pathlib import Path
 
 import pytest
 from helpers_generate import FaultServer, write_prompts
-from reliability import (VIEWS, argv01b, assert_one_error_line, chain, diff_views, fault_server,  # noqa: F401
-                         jsonl_records, lock_held, read_only, records_kept, resize_disk, run_inprocess,
-                         small_disk, snapshot, stage_cmd, stage_env, temp_files)
-
+from reliability import (  # noqa: F401
+    VIEWS,
+    argv01b,
+    assert_one_error_line,
+    chain,
+    diff_views,
+    fault_server,
+    jsonl_records,
+    lock_held,
+    read_only,
+    records_kept,
+    resize_disk,
+    run_inprocess,
+    small_disk,
+    snapshot,
+    stage_cmd,
+    stage_env,
+    temp_files,
+)
 
 STAGES = ["01b", "01c", "02", "03", "04", "05"]
 SCRIPTS = {"01b": "01b_generate_synthetic", "01c": "01c_tokenize", "02": "02_extract_hidden_states",
@@ -146,7 +161,7 @@ def test_jsonl_writer_on_a_full_disk_leaves_whole_lines_only(tmp_path):
     """store.JsonlWriter (what every stage appends through): a record that does not fit is cut back
     off, so the file stays whole lines and a later append (once there is room) is not glued to
     half a record."""
-    from eagle3_train.store import JsonlWriter, read_jsonl
+    from eagle3_train.common.store import JsonlWriter, read_jsonl
 
     with small_disk(tmp_path / "disk", "16k") as disk:
         path = disk / "x.jsonl"

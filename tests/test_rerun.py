@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-
-from eagle3_train import rerun
-from eagle3_train.config import STAGES, StageConfig, require, setting
-from eagle3_train.errors import PipelineError
-from eagle3_train.manifest import read_manifest, write_manifest
+from eagle3_train.common import rerun
+from eagle3_train.common.config import STAGES, StageConfig, require, setting
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.manifest import read_manifest, write_manifest
 
 
 @dataclass(kw_only=True)

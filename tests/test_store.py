@@ -1,4 +1,4 @@
-"""eagle3_train.store, directly: atomic writes, the torn-tail repair and strict JSONL reading,
+"""eagle3_train.common.store, directly: atomic writes, the torn-tail repair and strict JSONL reading,
 JsonlWriter, pending_ids, DirLock and move_aside (what every stage writes and resumes through)."""
 
 from __future__ import annotations
@@ -12,11 +12,20 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from eagle3_train import store
-from eagle3_train.errors import PipelineError
-from eagle3_train.store import (DirLock, JsonlWriter, atomic_dir_commit, atomic_write_bytes, atomic_write_json,
-                                clean_temp_files, move_aside, pending_ids, read_jsonl, repair_torn_tail)
+from eagle3_train.common import store
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.store import (
+    DirLock,
+    JsonlWriter,
+    atomic_dir_commit,
+    atomic_write_bytes,
+    atomic_write_json,
+    clean_temp_files,
+    move_aside,
+    pending_ids,
+    read_jsonl,
+    repair_torn_tail,
+)
 
 
 def names(d: Path) -> list[str]:
@@ -210,7 +219,7 @@ def test_dir_lock_refuses_a_second_holder_naming_the_first(tmp_path):
         assert (out / ".lock").read_text().startswith("04_train pid ")
 
 
-_HOLD = "import sys, time; from eagle3_train.store import DirLock; DirLock(sys.argv[1], 'x').__enter__(); " \
+_HOLD = "import sys, time; from eagle3_train.common.store import DirLock; DirLock(sys.argv[1], 'x').__enter__(); " \
         "print('locked', flush=True); time.sleep(600)"
 
 

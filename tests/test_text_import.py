@@ -8,10 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from eagle3_train.common.store import TMP_PREFIX
+from eagle3_train.tokenize.dataset import TrainingSet
 from helpers_generate import REPO, TOKENIZE, FaultServer, env, read_records, run_gen, write_prompts
-
-from eagle3_train.dataset import TrainingSet
-from eagle3_train.store import TMP_PREFIX
 
 IMPORT = REPO / "eagle3-train" / "01a_import_text.py"
 VOCAB = REPO / "eagle3-train" / "03_build_vocab_mapping.py"

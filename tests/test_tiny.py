@@ -7,9 +7,8 @@ import json
 
 import pytest
 import torch
-
-from eagle3_train.tiny import KIMI_SPECIAL_TOKENS, build_tokenizer, synthetic_examples
-from eagle3_train.tiny_target import check_tiny_target, train_tiny_target
+from eagle3_testkit.tiny import KIMI_SPECIAL_TOKENS, build_tokenizer, synthetic_examples
+from eagle3_testkit.tiny_target import check_tiny_target, train_tiny_target
 
 
 def test_tokenizer_is_deterministic_and_has_kimis_special_tokens(tmp_path, k25_tokenizer_dir):

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from eagle3_testkit.tiny import synthetic_examples
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.mismatch import BOUNDARY_WHITESPACE, REAL, compare_ids
+from eagle3_train.common.tokenization import ChatFormat, tokenize_sample
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from eagle3_train.errors import PipelineError
-from eagle3_train.mismatch import BOUNDARY_WHITESPACE, REAL, compare_ids
-from eagle3_train.tiny import synthetic_examples
-from eagle3_train.tokenization import ChatFormat, tokenize_sample
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 # Text the tiny byte-level tokenizer must carry exactly; no special-token strings inside it.

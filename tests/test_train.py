@@ -8,22 +8,21 @@ import shutil
 
 import pytest
 import torch
-from helpers import inputs_argv, load_script
-from helpers_train import build_store, tgt2draft, train_inputs
-from safetensors.torch import load_file
-
-from eagle3_train.configs.train import METRICS, STAGE
-from eagle3_train.errors import PipelineError
+from eagle3_train.common.errors import PipelineError
 from eagle3_train.train import run
 from eagle3_train.train.checkpoint import checkpoints
+from eagle3_train.train.config import METRICS, STAGE
 from eagle3_train.train.data import collate, pack, split_ids
 from eagle3_train.train.dist import Dist
 from eagle3_train.train.inputs import aux_layers, open_inputs
 from eagle3_train.train.metrics import read_metrics, validation_series
 from eagle3_train.train.model import build_model
 from eagle3_train.train.objective import Objective, alignment, prepare
+from helpers import inputs_argv, stage_cli
+from helpers_train import build_store, tgt2draft, train_inputs
+from safetensors.torch import load_file
 
-stage = load_script("04_train")
+stage = stage_cli("04_train")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +47,7 @@ def reference(inputs):
 
 
 def test_run_writes_checkpoints_metrics_curves_export_and_manifest(reference, inputs, capsys):
-    from eagle3_train.manifest import read_manifest
+    from eagle3_train.common.manifest import read_manifest
 
     man = read_manifest(reference, STAGE)
     steps = man["counts"]["steps"]
@@ -150,7 +149,7 @@ def test_mismatched_inputs_are_refused_naming_both_values(inputs, tmp_path, deep
         stage.main(argv(inputs, tmp_path / "c", "--aux-layer-ids", "1,4,5"))
 
     # A mapping over another vocabulary size (its manifest otherwise fine).
-    from eagle3_train.vocab import save_mapping
+    from eagle3_train.vocab.mapping import save_mapping
 
     small = tmp_path / "map-small"
     shutil.copytree(inputs["map"], small)
@@ -187,7 +186,7 @@ def test_damaged_shards_are_refused_naming_the_shard(inputs, tmp_path):
     t = load_file(str(shard))
     t["aux"].view(-1)[5] = float("nan")
     save_file(t, str(shard), metadata=meta)
-    from eagle3_train.hidden_store import committed_shards
+    from eagle3_train.common.hidden_store import committed_shards
 
     sid = committed_shards(nan)[2]["ids"][0]
     with pytest.raises(PipelineError, match=f"sample {sid} in shard shard-00002.safetensors .* NaN/inf in aux"):
@@ -199,7 +198,7 @@ def test_damaged_shards_are_refused_naming_the_shard(inputs, tmp_path):
 def test_topk_targets_give_the_same_loss_as_hidden_states(inputs, tmp_path, llama_target_dir, loss):
     """A store keeping the target's full top-k (k = vocab) instead of its last hidden state trains
     on the same distribution: the loss of one batch matches the dense path's, for either loss."""
-    from eagle3_train.hidden_store import HiddenStates
+    from eagle3_train.common.hidden_store import HiddenStates
 
     topk_store = build_store(tmp_path / "topk", llama_target_dir, n=20, shard_size=7, topk=500)
     dense, sparse = HiddenStates(inputs["store"]), HiddenStates(topk_store)
@@ -238,7 +237,7 @@ def test_packing_is_deterministic_and_respects_the_budget():
 
 
 def test_split_is_fixed_by_id_and_matches_03_rule():
-    from eagle3_train.split import is_heldout
+    from eagle3_train.common.split import is_heldout
 
     ids = [f"x{i}" for i in range(1000)]
     lengths = dict.fromkeys(ids, 10)
@@ -251,7 +250,7 @@ def test_split_is_fixed_by_id_and_matches_03_rule():
 
 
 def test_held_out_samples_beyond_val_max_go_back_to_training():
-    from eagle3_train.split import is_heldout
+    from eagle3_train.common.split import is_heldout
 
     ids = [f"x{i}" for i in range(400)]
     lengths = dict.fromkeys(ids, 10)
@@ -264,7 +263,7 @@ def test_held_out_samples_beyond_val_max_go_back_to_training():
 def test_a_sample_longer_than_a_batch_is_trained_whole(inputs, tmp_path):
     """--max-tokens-per-batch below the longest sample: it gets a batch of its own and every one
     of its tokens (and supervised positions) is in that step; nothing is reported cut."""
-    from eagle3_train.hidden_store import HiddenStates
+    from eagle3_train.common.hidden_store import HiddenStates
     from eagle3_train.train.data import Loader, make_plan
 
     hs = HiddenStates(inputs["store"])
@@ -292,8 +291,8 @@ def test_a_sample_longer_than_a_batch_is_trained_whole(inputs, tmp_path):
 
 
 def test_samples_cut_by_max_sample_tokens_are_reported_loudly(inputs, tmp_path, capsys):
-    from eagle3_train.hidden_store import HiddenStates
-    from eagle3_train.manifest import read_manifest
+    from eagle3_train.common.hidden_store import HiddenStates
+    from eagle3_train.common.manifest import read_manifest
 
     hs = HiddenStates(inputs["store"])
     lengths = sorted(hs.length(i) for i in hs.ids)
@@ -304,9 +303,9 @@ def test_samples_cut_by_max_sample_tokens_are_reported_loudly(inputs, tmp_path, 
     text = capsys.readouterr().out
     man = read_manifest(out, STAGE)
     # One held-out sample validates, the others train; 05's offline set is exactly that one.
+    from eagle3_train.common.split import is_heldout
     from eagle3_train.evaluate.draft import describe_draft
     from eagle3_train.evaluate.offline import heldout_ids
-    from eagle3_train.split import is_heldout
 
     assert len(man["split"]["val_ids"]) == 1 and sum(is_heldout(i, 0.25) for i in hs.ids) > 1
     assert man["counts"]["train_samples"] == len(hs.ids) - 1 - man["counts"]["dropped_short"]
@@ -324,7 +323,7 @@ def test_samples_cut_by_max_sample_tokens_are_reported_loudly(inputs, tmp_path, 
 
 def test_collate_aligns_steps_within_documents(inputs):
     """Step k drafting after token t targets token t+1+k of the same document, supervised only."""
-    from eagle3_train.hidden_store import HiddenStates
+    from eagle3_train.common.hidden_store import HiddenStates
 
     hs = HiddenStates(inputs["store"])
     ids = hs.ids[:3]
@@ -350,10 +349,10 @@ def test_trains_on_inputs_from_the_real_02_and_03_stages(tmp_path, llama_target_
     from helpers import make_training_set
 
     data = make_training_set(tmp_path / "tok", k25_tokenizer_dir, n=10)
-    load_script("02_extract_hidden_states").main(
+    stage_cli("02_extract_hidden_states").main(
         ["--input", str(data), "--output", str(tmp_path / "hs"), "--model", str(llama_target_dir),
          "--storage", "fp32"])
-    load_script("03_build_vocab_mapping").main(
+    stage_cli("03_build_vocab_mapping").main(
         ["--data", str(data), "--target", str(llama_target_dir), "--out", str(tmp_path / "vocab"),
          "--draft-vocab-size", "80"])
     inp = {"store": tmp_path / "hs", "map": tmp_path / "vocab", "target": llama_target_dir}

@@ -10,17 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import inputs_argv, load_script, script_path
-from helpers_train import train_inputs
-from safetensors.torch import load_file
-
+from eagle3_train.common.vllm_server import free_port
 from eagle3_train.train import run
 from eagle3_train.train.checkpoint import checkpoints
 from eagle3_train.train.metrics import read_metrics
-from eagle3_train.vllm_server import free_port
+from helpers import inputs_argv, script_path, stage_cli
+from helpers_train import train_inputs
+from safetensors.torch import load_file
 
 SCRIPT = script_path("04_train")
-stage = load_script("04_train")
+stage = stage_cli("04_train")
 
 
 @pytest.fixture(scope="module")

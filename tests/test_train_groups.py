@@ -8,11 +8,8 @@ import copy
 
 import pytest
 import torch
-from helpers import inputs_argv, load_script
-from helpers_train import build_store, tgt2draft, train_inputs
-
-from eagle3_train.errors import PipelineError
-from eagle3_train.hidden_store import HiddenStates
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.hidden_store import HiddenStates
 from eagle3_train.train import run
 from eagle3_train.train.checkpoint import checkpoints
 from eagle3_train.train.data import collate
@@ -20,8 +17,10 @@ from eagle3_train.train.dist import Dist
 from eagle3_train.train.inputs import open_inputs
 from eagle3_train.train.model import build_model
 from eagle3_train.train.objective import Objective, prepare, spans
+from helpers import inputs_argv, stage_cli
+from helpers_train import build_store, tgt2draft, train_inputs
 
-stage = load_script("04_train")
+stage = stage_cli("04_train")
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import inputs_argv, load_script, script_path
+from eagle3_train.train import run
+from eagle3_train.train.metrics import read_metrics
+from helpers import inputs_argv, script_path, stage_cli
 from helpers_train import train_inputs
 from safetensors.torch import load_file
 
-from eagle3_train.train import run
-from eagle3_train.train.metrics import read_metrics
-
 SCRIPT = script_path("04_train")
-stage = load_script("04_train")
+stage = stage_cli("04_train")
 
 
 @pytest.fixture(scope="module")

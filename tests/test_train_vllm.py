@@ -13,9 +13,8 @@ import json
 import time
 
 import pytest
-from helpers import load_script, make_training_set, train_argv
-
-from eagle3_train.fixtures import REPO_ROOT
+from eagle3_testkit.fixtures import REPO_ROOT
+from helpers import make_training_set, stage_cli, train_argv
 
 pytestmark = pytest.mark.vllm
 
@@ -38,8 +37,7 @@ def spec_counts(metrics: dict) -> tuple[float, float]:
 
 def serve_and_measure(target, draft, prompts, *, k=3, max_tokens=200) -> dict:
     import openai
-
-    from eagle3_train.vllm_server import VllmServer, scrape_metrics
+    from eagle3_train.common.vllm_server import VllmServer, scrape_metrics
 
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k}
     with VllmServer(target, speculative_config=spec, max_model_len=1024) as srv:
@@ -61,13 +59,13 @@ def serve_and_measure(target, draft, prompts, *, k=3, max_tokens=200) -> dict:
 def trained(tmp_path_factory, tiny_reasoner_dir):
     root = tmp_path_factory.mktemp("al")
     data = make_training_set(root / "tok", tiny_reasoner_dir, n=240, seed=3)
-    load_script("02_extract_hidden_states").main(
+    stage_cli("02_extract_hidden_states").main(
         ["--input", str(data), "--output", str(root / "hs"), "--model", str(tiny_reasoner_dir), "--layers", LAYERS])
-    load_script("03_build_vocab_mapping").main(
+    stage_cli("03_build_vocab_mapping").main(
         ["--data", str(data), "--target", str(tiny_reasoner_dir), "--out", str(root / "vocab"),
          "--draft-vocab-size", "128"])
     t0 = time.monotonic()
-    stage = load_script("04_train")
+    stage = stage_cli("04_train")
     stage.main(train_argv(root / "hs", root / "vocab", tiny_reasoner_dir, root / "run", preset=AL_TRAIN))
     return {"run": root / "run", "train_s": time.monotonic() - t0}
 
@@ -76,7 +74,7 @@ def demo_heldout_prompts(path):
     """The demo's held-out prompts (scripts/demo.py, quick profile)."""
     import importlib.util
 
-    from eagle3_train.tiny import write_prompt_file
+    from eagle3_testkit.tiny import write_prompt_file
 
     spec = importlib.util.spec_from_file_location("demo", REPO_ROOT / "scripts" / "demo.py")
     demo = importlib.util.module_from_spec(spec)
@@ -88,11 +86,11 @@ def test_trained_draft_is_accepted_by_vllm_as_the_offline_walk_predicts(trained,
     """Greedy answers to the demo's held-out prompts, made by vLLM with the draft speculating (01b,
     one request at a time); its spec-decode counters over them; then 02 on those very answers and
     05's offline simulation: the two acceptance lengths must agree."""
+    from eagle3_train.common.hidden_store import HiddenStates
+    from eagle3_train.common.vllm_server import VllmServer, scrape_metrics
     from eagle3_train.evaluate.draft import load_draft, load_target_head
     from eagle3_train.evaluate.offline import offline_eval
     from eagle3_train.evaluate.online import spec_counters, spec_delta
-    from eagle3_train.hidden_store import HiddenStates
-    from eagle3_train.vllm_server import VllmServer, scrape_metrics
 
     target, export = tiny_reasoner_dir, trained["run"] / "export"
     assert json.loads((export / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS
@@ -101,12 +99,12 @@ def test_trained_draft_is_accepted_by_vllm_as_the_offline_walk_predicts(trained,
     with VllmServer(target, served_name="tiny", speculative_config=spec, max_model_len=1024,
                     log_path=tmp_path / "vllm.log") as srv:
         before = spec_counters(scrape_metrics(srv.metrics_url))
-        assert load_script("01b_generate_synthetic").main(
+        assert stage_cli("01b_generate_synthetic").main(
             ["--input", str(prompts), "--output-dir", str(tmp_path / "gen"), "--base-url", srv.base_url,
              "--model", "tiny", "--concurrency", "1", "--max-tokens", "320", "--temperature", "0",
              "--tokenize", "--tokenizer", str(target), "--progress-every", "0"]) == 0
         online = spec_delta(before, spec_counters(scrape_metrics(srv.metrics_url)))
-    assert load_script("02_extract_hidden_states").main(
+    assert stage_cli("02_extract_hidden_states").main(
         ["--input", str(tmp_path / "gen" / "tokenized"), "--output", str(tmp_path / "hs"), "--model", str(target),
          "--layers", LAYERS]) == 0
     store = HiddenStates(tmp_path / "hs")
@@ -128,7 +126,7 @@ def test_trained_draft_is_accepted_by_vllm_as_the_offline_walk_predicts(trained,
 
 def test_narrow_draft_export_is_served_by_vllm(trained, tiny_reasoner_dir, tmp_path):
     """A draft narrower than the target (own embed_tokens, fc reading target_hidden_size) loads."""
-    stage = load_script("04_train")
+    stage = stage_cli("04_train")
     src = trained["run"]
     man = json.loads((src / "manifest.json").read_text())
     cfg = man["config"]

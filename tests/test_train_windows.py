@@ -9,18 +9,17 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import inputs_argv, load_script
-from helpers_train import train_inputs
-
-from eagle3_train.errors import PipelineError
+from eagle3_train.common.errors import PipelineError
 from eagle3_train.train import run
 from eagle3_train.train.data import Loader, collate, make_plan, pieces, windows
 from eagle3_train.train.dist import Dist
 from eagle3_train.train.inputs import open_inputs
 from eagle3_train.train.model import build_model
 from eagle3_train.train.objective import alignment, prepare
+from helpers import inputs_argv, stage_cli
+from helpers_train import train_inputs
 
-stage = load_script("04_train")
+stage = stage_cli("04_train")
 AUX = [0, 1, 2]
 
 
@@ -31,7 +30,7 @@ def inputs(tmp_path_factory, llama_target_dir):
 
 @pytest.fixture(scope="module")
 def store(inputs):
-    from eagle3_train.hidden_store import HiddenStates
+    from eagle3_train.common.hidden_store import HiddenStates
 
     return HiddenStates(inputs["store"])
 

@@ -11,16 +11,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from eagle3_train import split, vocab, vocab_counts, vocab_coverage
-from eagle3_train.errors import PipelineError, run_main
-from eagle3_train.manifest import describe_file
-from eagle3_train.store import read_jsonl
-from eagle3_train.tokenization import ChatFormat
-from helpers import load_script, make_training_set, script_path
+from eagle3_train.common import split
+from eagle3_train.common.errors import PipelineError, run_main
+from eagle3_train.common.manifest import describe_file
+from eagle3_train.common.store import read_jsonl
+from eagle3_train.common.tokenization import ChatFormat
+from eagle3_train.vocab import counts as vocab_counts
+from eagle3_train.vocab import coverage as vocab_coverage
+from eagle3_train.vocab import mapping as vocab
+from helpers import make_training_set, script_path, stage_cli
 
 SCRIPT = script_path("03_build_vocab_mapping")
-stage03 = load_script("03_build_vocab_mapping")
+stage03 = stage_cli("03_build_vocab_mapping")
 
 
 def make_target(d: Path, tok_dir: Path, vocab_size: int) -> Path:

@@ -6,10 +6,9 @@ import json
 
 import pytest
 import torch
-
-from eagle3_train.errors import PipelineError
-from eagle3_train.fixtures import tiny_reasoner_dir
-from eagle3_train.widen import lift_matrix, widen_target
+from eagle3_testkit.fixtures import tiny_reasoner_dir
+from eagle3_testkit.widen import lift_matrix, widen_target
+from eagle3_train.common.errors import PipelineError
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +47,7 @@ def test_the_lift_is_orthonormal_up_to_scale_and_seeded():
 
 
 def test_refusals(narrow, tmp_path):
-    from eagle3_train.fixtures import random_target_dir
+    from eagle3_testkit.fixtures import random_target_dir
 
     with pytest.raises(PipelineError, match="below the target's hidden size 64"):
         widen_target(narrow, tmp_path / "w", 32)

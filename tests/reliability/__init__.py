@@ -19,12 +19,41 @@ Test modules import from the package (`from reliability import ...`); the fixtur
 from .chain import CHAIN_TRAIN, HS_ARGS, Chain, argv01b, chain, fault_server, replicate_training_set
 from .checks import assert_one_error_line, assert_unchanged, jsonl_records, records_kept, snapshot
 from .hostile import lock_held, read_only, resize_disk, small_disk
-from .kill import (Kill, Moment, Reference, StageSpec, Trial, crash_trial, kill_at, moments, probe_bytes,
-                   reference_from, reference_run, sweep)
+from .kill import (
+                   Kill,
+                   Moment,
+                   Reference,
+                   StageSpec,
+                   Trial,
+                   crash_trial,
+                   kill_at,
+                   moments,
+                   probe_bytes,
+                   reference_from,
+                   reference_run,
+                   sweep,
+)
 from .run import Result, run_inprocess, run_stage, stage_cmd, stage_env
-from .views import (NOT_OUTPUT, TMP_PREFIX, VIEWS, VOLATILE, diff_views, file_view, json_view, jsonl_view,
-                    metrics_view, safetensors_view, strict_jsonl, temp_files, torch_view, tree_view, view01b,
-                    view02, view03, view04)
+from .views import (
+                   NOT_OUTPUT,
+                   TMP_PREFIX,
+                   VIEWS,
+                   VOLATILE,
+                   diff_views,
+                   file_view,
+                   json_view,
+                   jsonl_view,
+                   metrics_view,
+                   safetensors_view,
+                   strict_jsonl,
+                   temp_files,
+                   torch_view,
+                   tree_view,
+                   view01b,
+                   view02,
+                   view03,
+                   view04,
+)
 
 __all__ = [
     "CHAIN_TRAIN", "HS_ARGS", "Chain", "argv01b", "chain", "fault_server", "replicate_training_set",

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import TINY_TRAIN, load_script, train_argv
-
+from helpers import TINY_TRAIN, stage_cli, train_argv
 
 # ----------------------------------------------------------------------------- inputs
 
@@ -14,9 +13,9 @@ from helpers import TINY_TRAIN, load_script, train_argv
 def replicate_training_set(src: Path, dst: Path, times: int) -> Path:
     """A bigger tokenized set made cheaply: every record of `src` `times` times under new ids, with
     src's manifest (tokenizer, chat format) carried over, so stages have work worth interrupting."""
-    from eagle3_train.dataset import DATA, STAGE
-    from eagle3_train.manifest import read_manifest, write_manifest
-    from eagle3_train.store import JsonlWriter, read_jsonl
+    from eagle3_train.common.manifest import read_manifest, write_manifest
+    from eagle3_train.common.store import JsonlWriter, read_jsonl
+    from eagle3_train.tokenize.dataset import DATA, STAGE
 
     src, dst = Path(src), Path(dst)
     m = read_manifest(src, STAGE)
@@ -89,7 +88,7 @@ class Chain:
 
     def _make(self, name: str, script: str, argv) -> Path:
         if not self._done(name):
-            rc = load_script(script).main(argv(self.base / name))
+            rc = stage_cli(script).main(argv(self.base / name))
             assert rc == 0, f"{script} failed while building the chain"
         return self.base / name
 

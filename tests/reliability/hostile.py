@@ -54,7 +54,7 @@ def read_only(path: Path):
 
 _HOLDER = """
 import sys, time
-from eagle3_train.store import DirLock
+from eagle3_train.common.store import DirLock
 lock = DirLock(sys.argv[1], sys.argv[2]).__enter__()
 print("locked", flush=True)
 time.sleep(600)

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .run import Result, run_stage, stage_cmd, stage_env
-from .views import NOT_OUTPUT, walk_files, diff_views
-
+from .views import NOT_OUTPUT, diff_views, walk_files
 
 # ----------------------------------------------------------------------------- progress probe
 

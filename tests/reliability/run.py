@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from helpers import REPO, load_script, script_path
+from helpers import REPO, script_path, stage_cli
 
 
 def stage_env(**extra: str) -> dict:
@@ -51,11 +51,11 @@ def run_inprocess(script: str, argv, capfd) -> Result:
     """A stage run in this process exactly as its script runs it (errors.run_main around main()),
     its output captured; an exception that escapes run_main (a traceback for a user) comes back
     as exit 1 with `Traceback` in stderr, so assert_one_error_line reports it."""
-    from eagle3_train.errors import run_main
+    from eagle3_train.common.errors import run_main
 
     capfd.readouterr()
     try:
-        rc = run_main(load_script(script).main, [str(a) for a in argv])
+        rc = run_main(stage_cli(script).main, [str(a) for a in argv])
     except SystemExit as e:  # argparse
         rc = e.code if isinstance(e.code, int) else 2
     except BaseException as e:  # noqa: BLE001

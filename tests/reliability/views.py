@@ -94,9 +94,8 @@ def safetensors_view(path: Path) -> dict:
 
 def torch_view(path: Path, *, drop: Iterable[str] = (), subs=()):
     """A torch.save'd object with every tensor replaced by its digest."""
-    import torch
-
     import numpy as np
+    import torch
 
     def walk(o):
         if isinstance(o, torch.Tensor):

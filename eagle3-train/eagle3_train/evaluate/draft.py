@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import PipelineError
-from ..manifest import describe_file
-from ..rerun import RUN
-from ..store import json_sha256
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.manifest import describe_file
+from eagle3_train.common.rerun import RUN
+from eagle3_train.common.store import json_sha256
 
 
 def read_draft_config(draft_dir: Path) -> dict:
@@ -24,7 +24,7 @@ def read_draft_config(draft_dir: Path) -> dict:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise PipelineError(f"{path} is not valid JSON ({e.msg})") from None
-    from ..draft_mla import META, is_mla_export
+    from eagle3_train.train.draft_mla import META, is_mla_export
 
     if is_mla_export(cfg):
         meta = cfg.get(META) or {}
@@ -86,9 +86,9 @@ def load_draft(draft_dir: Path, target: Path, *, device: str = "cpu", dtype: str
     embed_tokens comes from the target when the export leaves it out (vLLM shares the target's)."""
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    from ..draft import load_target_weights
-    from ..draft_mla import is_mla_export, load_mla_draft
-    from ..target_layout import read_weights
+    from eagle3_train.common.target_layout import read_weights
+    from eagle3_train.train.draft_core import load_target_weights
+    from eagle3_train.train.draft_mla import is_mla_export, load_mla_draft
 
     draft_dir = Path(draft_dir)
     if is_mla_export(read_draft_config(draft_dir)):
@@ -115,7 +115,7 @@ def load_draft(draft_dir: Path, target: Path, *, device: str = "cpu", dtype: str
 
 def load_target_head(target: Path, *, device: str = "cpu", dtype: str = "fp32"):
     """The target's final norm + lm_head (04's TargetHead): greedy tokens from stored last states."""
-    from ..draft import load_target_weights, target_head
-    from ..target import load_target_config
+    from eagle3_train.common.target import load_target_config
+    from eagle3_train.train.draft_core import load_target_weights, target_head
 
     return target_head(load_target_config(str(target)), load_target_weights(target), None, device, DTYPES[dtype])

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import torch
 
-from ..acceptance import chain_acceptance, draft_correctness, merge, summarize
-from ..config import TRAIN
-from ..draft import draft_to_target
-from ..errors import PipelineError
-from ..hidden_checks import read_sample  # the same damaged-shard / NaN checks as training
-from ..manifest import require_match
-from ..progress import Progress
-from ..split import is_heldout
+from eagle3_train.common.acceptance import chain_acceptance, draft_correctness, merge, summarize
+from eagle3_train.common.config import TRAIN
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.hidden_checks import read_sample  # the same damaged-shard / NaN checks as training
+from eagle3_train.common.manifest import require_match
+from eagle3_train.common.progress import Progress
+from eagle3_train.common.split import is_heldout
+from eagle3_train.train.draft_core import draft_to_target
 
 
 def heldout_ids(store_ids: Sequence[str], draft: dict) -> tuple[list[str], str]:

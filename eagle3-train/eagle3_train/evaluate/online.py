@@ -11,9 +11,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..configs.evaluate import ARMS
-from ..errors import PipelineError
-from ..progress import Progress
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.progress import Progress
+from eagle3_train.evaluate.config import ARMS
 
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
@@ -70,7 +70,7 @@ def metrics_url_for(base_url: str) -> str:
 
 
 async def _served_model(base_url: str, timeout: float) -> str:
-    from ..client import make_openai_client
+    from eagle3_train.common.client import make_openai_client
 
     client = make_openai_client(base_url, api_key="EMPTY", concurrency=1)
     try:
@@ -89,7 +89,7 @@ async def _run_prompts(base_url: str, model: str, prompts: list, concurrency: in
                        sampling: dict, timeout: float, prog: Progress | None) -> dict:
     """All prompts with `concurrency` in flight, through 01b's client (openai SDK, retries on
     transient errors); output tokens = the generated token ids vLLM returns."""
-    from ..client import ChatClient
+    from eagle3_train.common.client import ChatClient
 
     sem = asyncio.Semaphore(concurrency)
     tokens, errors, latencies = [0], [], []
@@ -129,7 +129,7 @@ def bench_server(base_url: str, prompts: list, levels: Sequence[int], sampling: 
                  every_s: float = 10.0) -> dict:
     """Run the prompts at each concurrency level against one server, reading the spec-decode
     counters around each level. Warm-up requests (not counted) go first."""
-    from ..vllm_server import scrape_metrics
+    from eagle3_train.common.vllm_server import scrape_metrics
 
     murl = metrics_url_for(base_url)
 
@@ -161,7 +161,7 @@ def run_arm(arm: str, *, target: Path, draft_dir: Path, k: int, ngram: tuple[int
             prompts: list, levels: Sequence[int], sampling: dict, url: str | None,
             server_kwargs: dict, log_dir: Path, timeout: float, every_s: float = 10.0) -> dict:
     """One arm: against `url` if given, else a server of our own started and stopped here."""
-    from ..vllm_server import VllmServer, server_command
+    from eagle3_train.common.vllm_server import VllmServer, server_command
 
     spec = spec_config(arm, draft_dir, k, ngram)
     log_path = log_dir / "progress.log"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import EVALUATE
-from ..configs.evaluate import ARMS
-from ..store import atomic_write_bytes, atomic_write_json, atomic_write_text
+from eagle3_train.common.config import EVALUATE
+from eagle3_train.common.store import atomic_write_bytes, atomic_write_json, atomic_write_text
+from eagle3_train.evaluate.config import ARMS
 
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "acceptance.png"
 

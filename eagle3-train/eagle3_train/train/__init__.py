@@ -1,6 +1,13 @@
-"""04_train as a package: `run(config)`, config a configs.train.TrainConfig (every setting,
+"""04 train: `run(config)`, config a train.config.TrainConfig (every setting,
 validated once, which may change on resume).
 
+  config.py      TrainConfig (every flag), the draft architectures and losses
+  cli.py         the command line (04_train.py)
+  budget.py      --budget, the length rule, the default lr for the width
+  draft.py       the EAGLE-3 draft (speculators' Eagle3DraftModel) built, unrolled, exported
+  draft_mla.py   the MLA draft layer (DeepSeek-V3 / Kimi targets), vLLM's deepseek_eagle3 format
+  recipe.py      Muon on the hidden matrices + AdamW on the rest
+  muon.py        Muon's orthogonalisation (fp32 on CPU)
   inputs.py      the store, mapping and target, checked to belong together; their identity
   data.py        the by-id split, packing, collation, the plan of batches per step
   model.py       the draft made from the config, the target head, the objective as processes share it
@@ -12,6 +19,9 @@ validated once, which may change on resume).
   export.py      the speculators-format export and the manifest
 """
 
-from .loop import run
 
-__all__ = ["run"]
+def run(cfg, **options):
+    """Train (or resume) as config (a TrainConfig) says; the summary."""
+    from eagle3_train.train.loop import run as run_stage
+
+    return run_stage(cfg, **options)

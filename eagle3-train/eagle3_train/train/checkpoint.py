@@ -17,11 +17,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..configs.train import CKPT_DIR
-from ..errors import PipelineError
-from ..store import TMP_PREFIX, atomic_dir_commit, atomic_write_json
-from .dist import Dist
-from .metrics import read_metrics
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.store import TMP_PREFIX, atomic_dir_commit, atomic_write_json
+from eagle3_train.train.config import CKPT_DIR
+from eagle3_train.train.dist import Dist
+from eagle3_train.train.metrics import read_metrics
 
 COMPLETE = "COMPLETE"
 

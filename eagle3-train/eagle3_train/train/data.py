@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..configs.train import TrainConfig
-from ..errors import PipelineError
-from ..hidden_checks import read_sample
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.hidden_checks import read_sample
+from eagle3_train.train.config import TrainConfig
 
 
 def split_ids(ids: list[str], lengths: dict[str, int], val_fraction: float,
@@ -26,7 +26,7 @@ def split_ids(ids: list[str], lengths: dict[str, int], val_fraction: float,
     held-out ones go back to training (05 reads the validation ids from 04's manifest, so it never
     evaluates on a sample trained on). Samples too short to train on (fewer than 3 tokens) are
     dropped and counted."""
-    from ..split import is_heldout
+    from eagle3_train.common.split import is_heldout
 
     usable = [i for i in ids if lengths[i] >= 3]
     val = [i for i in usable if is_heldout(i, val_fraction)]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import PipelineError
+from eagle3_train.common.errors import PipelineError
 
 
 @dataclass

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from ..configs.train import EXPORT, METRICS, STAGE
-from ..draft import export_draft, load_target_weights, resolve_arch
-from ..manifest import describe_target, write_manifest
-from .metrics import plot_curves, read_metrics
-from .model import make_draft
+from eagle3_train.common.manifest import describe_target, write_manifest
+from eagle3_train.train.config import EXPORT, METRICS, STAGE
+from eagle3_train.train.draft import export_draft, resolve_arch
+from eagle3_train.train.draft_core import load_target_weights
+from eagle3_train.train.metrics import plot_curves, read_metrics
+from eagle3_train.train.model import make_draft
 
 EXPORT_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -17,7 +18,7 @@ EXPORT_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": to
 def export(trainer, identity: dict) -> dict:
     """The best checkpoint by validation acceptance (or the last, --export-from last); every rank
     calls it, rank 0 writes and returns the manifest."""
-    from ..split import SPLIT
+    from eagle3_train.common.split import SPLIT
 
     config, d, plan, out, model = trainer.config, trainer.d, trainer.plan, trainer.out, trainer.model
     step, best = trainer.step, trainer.best

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from ..configs.train import TrainConfig
-from ..errors import PipelineError
-from ..hidden_checks import check_shards, read_sample
-from ..manifest import describe_target, manifest_identity, require_match, text_config
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.hidden_checks import check_shards, read_sample
+from eagle3_train.common.manifest import describe_target, manifest_identity, require_match, text_config
+from eagle3_train.train.config import TrainConfig
 
 TARGET_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
 
@@ -32,9 +32,9 @@ def target_identity(desc: dict | None) -> dict:
 
 
 def open_inputs(config: TrainConfig, dtype: torch.dtype = torch.float32) -> Inputs:
-    from .. import vocab
-    from ..hidden_store import HiddenStates
-    from ..target import load_target_config
+    from eagle3_train.common.hidden_store import HiddenStates
+    from eagle3_train.common.target import load_target_config
+    from eagle3_train.vocab import mapping as vocab
 
     store = HiddenStates(Path(config.hidden_states), dtype=dtype)
     mapping = vocab.read_mapping(Path(config.vocab_mapping))
@@ -74,7 +74,7 @@ def aux_layers(asked, stored: list[int], num_layers: int, where) -> list[int]:
     """The draft's aux layers in the order vLLM gathers them (ascending, each once): --aux-layer-ids
     is checked like 02's --layers; a store with a repeated id (an older 02's small-target default)
     is refused, since vLLM would hand the draft fewer states than its fc expects."""
-    from ..extract import check_layers
+    from eagle3_train.extract.stage import check_layers
 
     if asked:
         return check_layers(list(asked), num_layers, flag="--aux-layer-ids")

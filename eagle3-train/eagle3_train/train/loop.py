@@ -19,28 +19,28 @@ from pathlib import Path
 
 import torch
 
-from ..budget import choose_length, choose_lr, parse_budget
-from ..configs.train import CKPT_DIR, EXPORT, SCHEDULE, STAGE, TrainConfig
-from ..draft import lr_lambda
-from ..manifest import MANIFEST, read_manifest, text_config
-from ..progress import Progress
-from ..store import atomic_write_json
-from .checkpoint import Checkpointer
-from .data import Loader, make_plan, shifted
-from .dist import Dist, setup_dist
-from .inputs import Inputs, input_identity, open_inputs
-from .metrics import Meter, Recorder
-from .model import build_model, draft_arch
-from .objective import batch_metrics, combine, prepare
-from .recipe import build_optimizers, time_steps
+from eagle3_train.common.manifest import MANIFEST, read_manifest, text_config
+from eagle3_train.common.progress import Progress
+from eagle3_train.common.store import atomic_write_json
+from eagle3_train.train.budget import choose_length, choose_lr, parse_budget
+from eagle3_train.train.checkpoint import Checkpointer
+from eagle3_train.train.config import CKPT_DIR, EXPORT, SCHEDULE, STAGE, TrainConfig
+from eagle3_train.train.data import Loader, make_plan, shifted
+from eagle3_train.train.dist import Dist, setup_dist
+from eagle3_train.train.draft import lr_lambda
+from eagle3_train.train.inputs import Inputs, input_identity, open_inputs
+from eagle3_train.train.metrics import Meter, Recorder
+from eagle3_train.train.model import build_model, draft_arch
+from eagle3_train.train.objective import batch_metrics, combine, prepare
+from eagle3_train.train.recipe import build_optimizers, time_steps
 
 
 def run(config: TrainConfig, *, on_step: Callable[[int], None] | None = None) -> dict:
     """Train (or resume), validate, checkpoint, export; 04's manifest. Every process of a
     torchrun calls it; `on_step(step)` after each step is how tests interrupt a run."""
-    from .. import rerun
-    from ..store import DirLock, clean_temp_files
-    from .export import export
+    from eagle3_train.common import rerun
+    from eagle3_train.common.store import DirLock, clean_temp_files
+    from eagle3_train.train.export import export
 
     d = setup_dist(config.device)
     if config.threads:

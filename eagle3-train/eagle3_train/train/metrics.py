@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from ..acceptance import empty, flatten, merge, summarize, unflatten
-from ..configs.train import METRICS
-from ..progress import Progress
-from ..store import JsonlWriter, atomic_write_bytes, read_jsonl
+from eagle3_train.common.acceptance import empty, flatten, merge, summarize, unflatten
+from eagle3_train.common.progress import Progress
+from eagle3_train.common.store import JsonlWriter, atomic_write_bytes, read_jsonl
+from eagle3_train.train.config import METRICS
 
 
 class Meter:

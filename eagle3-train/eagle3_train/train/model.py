@@ -9,11 +9,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import draft as D
-from ..configs.train import TrainConfig
-from .dist import Dist, wrap
-from .inputs import Inputs
-from .objective import Objective
+from eagle3_train.train import draft as D
+from eagle3_train.train import draft_core as core
+from eagle3_train.train.config import TrainConfig
+from eagle3_train.train.dist import Dist, wrap
+from eagle3_train.train.inputs import Inputs
+from eagle3_train.train.objective import Objective
 
 ATTN_IMPL = {"flex": "simple_flex_attention", "sdpa": "sdpa", "eager": "eager"}
 
@@ -24,7 +25,7 @@ def draft_arch(config: TrainConfig, inp: Inputs) -> str:
     dims = mla_dims(config)
     arch = D.resolve_arch(config.draft_arch, inp.target_cfg, dims)
     if arch == "mla":
-        from ..draft_mla import mla_layer_config
+        from eagle3_train.train.draft_mla import mla_layer_config
 
         mla_layer_config(inp.target_cfg, num_layers=config.draft_layers, dims=dims, target_name=str(inp.target))
     return arch
@@ -35,7 +36,7 @@ def mla_dims(config: TrainConfig) -> dict:
 
 
 def make_draft(config: TrainConfig, inp: Inputs, weights: dict, attn: str = "sdpa"):
-    """A fresh draft for the target, shaped by the config (weights: D.load_target_weights)."""
+    """A fresh draft for the target, shaped by the config (weights: core.load_target_weights)."""
     arch = draft_arch(config, inp)
     dims = mla_dims(config)
     return D.build_draft(inp.target, inp.target_cfg, aux_layer_ids=inp.aux_ids,
@@ -54,7 +55,7 @@ def make_draft(config: TrainConfig, inp: Inputs, weights: dict, attn: str = "sdp
 @dataclass
 class TrainModel:
     draft: nn.Module  # speculators' Eagle3DraftModel
-    head: D.TargetHead | None  # the target's norm + lm_head (None: the store keeps top-k targets)
+    head: core.TargetHead | None  # the target's norm + lm_head (None: the store keeps top-k targets)
     objective: Objective  # the draft + its loss, what is checkpointed
     wrapped: nn.Module  # the objective as the processes run it (itself, DDP or FSDP)
     kernels: dict  # {"attn": ..., "loss_impl": ...} as resolved for this device
@@ -72,12 +73,12 @@ class TrainModel:
 def build_model(config: TrainConfig, inp: Inputs, d: Dist) -> TrainModel:
     kernels = config.kernels(d.cuda)
     if kernels["attn"] == "flex":
-        D.use_compiled_flex()
-    weights = D.load_target_weights(inp.target)
+        core.use_compiled_flex()
+    weights = core.load_target_weights(inp.target)
     draft = make_draft(config, inp, weights, kernels["attn"])
     t2d = torch.from_numpy(inp.mapping.t2d).bool()
     draft_ids = t2d.nonzero().squeeze(1) if draft.use_draft_vocab else None
-    head = None if inp.topk else D.target_head(inp.target_cfg, weights, draft_ids, d.device, d.dtype)
+    head = None if inp.topk else core.target_head(inp.target_cfg, weights, draft_ids, d.device, d.dtype)
     tgt2draft = None
     if inp.topk and draft.use_draft_vocab:  # top-k ids are target ids: where each sits in the draft vocab
         tgt2draft = torch.full((t2d.shape[0],), -1, dtype=torch.long)
@@ -85,5 +86,5 @@ def build_model(config: TrainConfig, inp: Inputs, d: Dist) -> TrainModel:
     del weights
     objective = Objective(draft, config.ttt_steps, config.step_weights, kernels["loss_impl"], inp.topk,
                           tgt2draft, loss=config.loss).to(d.device)
-    to_target = D.draft_to_target(draft)
+    to_target = core.draft_to_target(draft)
     return TrainModel(draft, head, objective, wrap(objective, config.distributed, d), kernels, to_target)

@@ -9,9 +9,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..acceptance import chain_acceptance, draft_correctness, merge
-from ..draft import head, unroll
-from .data import Batch
+from eagle3_train.common.acceptance import chain_acceptance, draft_correctness, merge
+from eagle3_train.train.data import Batch
+from eagle3_train.train.draft_core import head, unroll
 
 
 def alignment(b: Batch, steps: int) -> torch.Tensor:

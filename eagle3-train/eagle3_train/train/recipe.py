@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .muon import Muon
+from eagle3_train.train.muon import Muon
 
 # names of 2-D parameters that stay with AdamW: vocabulary-sized lookups and heads (Muon practice)
 ADAMW_MATRICES = ("embed_tokens", "lm_head")

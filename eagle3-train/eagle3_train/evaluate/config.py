@@ -1,0 +1,136 @@
+"""05_evaluate's settings: one typed config, built once from the arguments and validated here. The paths
+and server addresses may change on a resume (`resume=True`): what they point at is identified by
+content in run.json's inputs (the draft's hashes, the store's manifest, the prompts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from eagle3_train.common.config import EVALUATE, StageConfig, require, setting
+
+ARMS = ("eagle3", "none", "ngram")  # 05's online arms: the draft, no speculation, prompt lookup
+OFFLINE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+
+@dataclass(kw_only=True)
+class EvalConfig(StageConfig):
+    stage: ClassVar[str] = EVALUATE
+    outputs: ClassVar[tuple[str, ...] | None] = None  # --overwrite moves everything aside
+
+    # -- inputs and output
+    draft: Path = setting(help="the draft export (04's RUN/export, speculators format)", resume=True)
+    target: Path | None = setting(None, help="target model dir (default: the draft config's verifier path)",
+                                  resume=True)
+    output_dir: Path = setting(help="where report.json/.md/.png go", resume=True)
+    overwrite: bool = setting(False, help="move the previous output aside and start over "
+                                          "(default: resume it, or refuse one made with other settings)", resume=True)
+    num_speculative_tokens: int | None = setting(None, help="K, drafted tokens per step (default: the draft config's)")
+    progress_every: float = setting(10.0, help="seconds between progress.log lines", resume=True)
+
+    # -- offline simulation (no server)
+    store: Path | None = setting(None, help="02's hidden-state store; its held-out samples (per 04's split) are "
+                                            "used (default: no offline part)", resume=True)
+    max_offline_samples: int = setting(200, help="cap on held-out samples")
+    offline_tokens_per_batch: int = setting(4096, help="tokens per draft forward (a longer sample gets one "
+                                                       "of its own)")
+    device: str = setting("auto", help="offline draft and target head: auto = cuda when available, else cpu")
+    offline_dtype: str = setting("auto", help="offline weights and hidden states: auto = bf16 on cuda, fp32 on "
+                                              "cpu")
+
+    # -- online, in vLLM
+    prompts: Path | None = setting(None, help="held-out prompts JSONL (01b's input format) (default: no online "
+                                              "part)", resume=True)
+    num_prompts: int = setting(32, help="prompts per concurrency level")
+    concurrency: list[int] = setting(default_factory=lambda: [1, 4, 16], help="levels, comma-separated "
+                                                                               "(default: 1,4,16)")
+    arms: str = setting(",".join(ARMS), help="servers to compare")
+    base_url: str | None = setting(None, help="an eagle3 server already running (same as --url eagle3=URL) "
+                                              "(default: start one)", resume=True)
+    url: list[str] = setting(default_factory=list, help="a running server for an arm (repeatable) "
+                                                        "(default: start one per arm)", resume=True)
+    ngram: list[int] = setting(default_factory=lambda: [2, 5], help="ngram prompt lookup min,max (default: 2,5)")
+    timeout: float = setting(600, help="per request, seconds", resume=True)
+
+    # -- sampling (the same in every arm)
+    max_tokens: int = setting(512, help="completion tokens per request")
+    temperature: float = setting(0.0, help="0 = greedy")
+    top_p: float = setting(1.0, help="nucleus sampling")
+    seed: int = setting(0, help="sampling seed")
+
+    # -- servers started here
+    max_model_len: int | None = setting(None, help="vLLM --max-model-len; refused when the longest prompt + "
+                                                   "--max-tokens does not fit (default: exactly that)")
+    reasoning_parser: str = setting("kimi_k2", help="vLLM --reasoning-parser, 'none' to disable")
+    startup_timeout: float = setting(900, help="seconds a server may take to start", resume=True)
+    server_arg: list[str] = setting(default_factory=list, help="extra vLLM argument (repeatable)")
+
+    def __post_init__(self):
+        for name in ("draft", "target", "store", "prompts"):
+            if getattr(self, name) is not None:
+                setattr(self, name, Path(getattr(self, name)))
+        super().__post_init__()
+
+    def validate(self) -> None:
+        require(bool(self.store or self.prompts),
+                "nothing to evaluate: pass --store (offline) and/or --prompts (online)")
+        for name in ("max_offline_samples", "offline_tokens_per_batch", "num_prompts", "max_tokens"):
+            value = getattr(self, name)
+            require(value >= 1, f"--{name.replace('_', '-')} must be at least 1, not {value}")
+        require(self.offline_dtype in OFFLINE_DTYPES,
+                f"--offline-dtype must be one of {', '.join(OFFLINE_DTYPES)}, not {self.offline_dtype!r}")
+        require(self.max_model_len is None or self.max_model_len >= 2,
+                f"--max-model-len must be at least 2, not {self.max_model_len}")
+        require(self.num_speculative_tokens is None or self.num_speculative_tokens >= 1,
+                f"--num-speculative-tokens must be at least 1, not {self.num_speculative_tokens}")
+        unknown = [a for a in self.arm_list if a not in ARMS]
+        require(not unknown, f"unknown arm {unknown[0]!r}; choose from {', '.join(ARMS)}" if unknown else "")
+        self.urls  # noqa: B018 -- a malformed --url is refused before any work
+
+    @property
+    def arm_list(self) -> list[str]:
+        return [a.strip() for a in self.arms.split(",") if a.strip()] if self.prompts else []
+
+    @property
+    def urls(self) -> dict[str, str]:
+        """`--url ARM=URL` (repeatable) and `--base-url URL` (= eagle3=URL) -> {arm: url}."""
+        urls = {}
+        for item in self.url:
+            arm, sep, url = item.partition("=")
+            require(bool(sep) and arm in ARMS, f"--url {item!r}: expected ARM=URL with ARM one of {', '.join(ARMS)}")
+            urls[arm] = url
+        if self.base_url:
+            urls["eagle3"] = self.base_url
+        return urls
+
+    @property
+    def sampling(self) -> dict:
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "seed": self.seed}
+
+    def offline_placement(self) -> tuple[str, str]:
+        """(device, dtype name) the offline part runs in: bf16 on a GPU, fp32 on CPU by default."""
+        import torch
+
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+        gpu_default = "bf16" if device.startswith("cuda") else "fp32"
+        dtype = self.offline_dtype if self.offline_dtype != "auto" else gpu_default
+        return device, dtype
+
+    def model_len(self, longest_prompt: int) -> int:
+        """The servers' --max-model-len: room for the longest prompt and --max-tokens, or refused."""
+        need = longest_prompt + self.max_tokens
+        if self.max_model_len is None:
+            return need
+        require(self.max_model_len >= need,
+                f"--max-model-len {self.max_model_len} is too small: the longest prompt has {longest_prompt} "
+                f"tokens and --max-tokens is {self.max_tokens} ({need} needed); raise it or leave it out")
+        return self.max_model_len
+
+    @property
+    def server_kwargs(self) -> dict:
+        """For the servers started here (vllm_server.VllmServer); max_model_len from model_len."""
+        return {"max_model_len": self.max_model_len, "startup_timeout": self.startup_timeout,
+                "reasoning_parser": None if self.reasoning_parser == "none" else self.reasoning_parser,
+                "extra_args": self.server_arg}

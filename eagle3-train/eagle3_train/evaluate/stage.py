@@ -1,0 +1,184 @@
+"""05's run: check the draft, the target and the inputs belong together, then the offline part and
+each online arm, each kept once finished (a rerun resumes with the parts still missing), then the
+report and the manifest.
+
+Output directory:
+  run.json          the settings + input identities of this evaluation (rerun.py: a rerun must match)
+  offline.json      the offline result          } each written atomically when finished, kept by
+  arms/<arm>.json   one online arm's result     } a rerun (resume = the parts still missing)
+  report.json, report.md, acceptance.png, vllm-<arm>.log, progress.log
+  manifest.json     written last
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.manifest import describe_file, require_match
+from eagle3_train.common.store import atomic_write_json, json_sha256
+from eagle3_train.evaluate.config import EvalConfig
+from eagle3_train.evaluate.draft import (
+    describe_draft,
+    draft_k,
+    draft_target,
+    load_draft,
+    load_target_head,
+    read_draft_config,
+)
+from eagle3_train.evaluate.offline import check_store, heldout_ids, offline_eval
+from eagle3_train.evaluate.online import run_arm
+from eagle3_train.evaluate.report import PLOT, REPORT_JSON, REPORT_MD, build_report, write_report
+
+OFFLINE = "offline.json"
+ARMS_DIR = "arms"
+# Rewritten by 02 without changing the store: not part of its identity here.
+VOLATILE = ("created", "pid", "command", "git_sha")
+
+
+def run(config: EvalConfig) -> str:
+    """Evaluate (or resume); returns report.md's text."""
+    from eagle3_train.common import rerun
+    from eagle3_train.common.store import DirLock, clean_temp_files
+
+    # Every check before any output: the draft, the target, the store and prompts belong together.
+    evaluation = Evaluation(config)
+    out = config.output_dir
+    with DirLock(out, config.stage):
+        # Resume this evaluation, refuse another one, or (--overwrite) move it aside.
+        rerun.prepare(config, inputs=evaluation.identity)
+        clean_temp_files(out)
+        clean_temp_files(out / ARMS_DIR)
+        # Each part is kept once finished: a rerun does only the missing ones.
+        offline = evaluation.offline(out) if evaluation.store else None
+        results = {arm: evaluation.arm(out, arm) for arm in config.arm_list}
+        md = write_report(out, build_report(evaluation.identity, offline, results))
+        # Last: from here on the evaluation counts as finished.
+        evaluation.write_manifest(out, offline, results)
+    return md
+
+
+class Evaluation:
+    """What is evaluated, checked and identified before any output is written."""
+
+    def __init__(self, config: EvalConfig):
+        from eagle3_train.common.hidden_store import HiddenStates
+        from eagle3_train.common.manifest import describe_target, describe_tokenizer
+        from eagle3_train.common.prompts import load_prompts
+        from eagle3_train.common.target import load_target_config
+        from eagle3_train.common.target_layout import check_vocab
+        from eagle3_train.common.tokenization import load_tokenizer
+
+        self.config = config
+        self.draft_cfg = cfg = read_draft_config(config.draft)
+        self.k = config.num_speculative_tokens or draft_k(cfg)
+        target = config.target or (Path(draft_target(cfg)) if draft_target(cfg) else None)
+        if target is None or not (Path(target) / "config.json").exists():
+            raise PipelineError(f"target {target} not found; pass --target (the model the draft was trained for)")
+        self.target = target
+        self.target_desc = describe_target(load_target_config(str(target)), str(target))
+        # As every other stage: the wrapper's config and the remote-code tokenizer (Kimi-K2.5's).
+        tokenizer = load_tokenizer(str(target))
+        self.tok_desc = describe_tokenizer(tokenizer, str(target))
+        check_vocab(self.target_desc["vocab_size"], self.tok_desc["vocab_size"], target)
+        layer = cfg.get("transformer_layer_config") or {}
+        require_match("target vocab size", self.target_desc["vocab_size"], layer.get("vocab_size"),
+                      source=str(config.draft))
+        require_match("target hidden size", self.target_desc["hidden_size"],
+                      cfg.get("target_hidden_size") or layer.get("hidden_size"), source=str(config.draft))
+        self.draft_desc = describe_draft(config.draft)
+        self.identity = {"k": self.k, "draft": self.draft_desc, "target": self.target_desc,
+                         "tokenizer": self.tok_desc, "offline": None, "online": None}
+        self.store = None
+        if config.store:
+            self.store = store = HiddenStates(config.store)
+            check_store(store, cfg, self.target_desc)
+            if store.manifest.get("tokenizer"):
+                require_match("tokenizer fingerprint", self.tok_desc["fingerprint"],
+                              store.manifest["tokenizer"].get("fingerprint"), source=str(config.store))
+            ids, self.selection = heldout_ids(store.ids, self.draft_desc)
+            self.ids = ids[: config.max_offline_samples]
+            self.identity["offline"] = {
+                "store": str(config.store.resolve()),
+                "store_manifest": json_sha256({k: v for k, v in store.manifest.items() if k not in VOLATILE}),
+                "ids_sha256": json_sha256(self.ids), "selection": self.selection,
+                "tokens_per_batch": config.offline_tokens_per_batch}
+        if config.prompts:
+            prompt_set = load_prompts(str(config.prompts), limit=config.num_prompts)
+            self.prompts = prompt_set.prompts
+            self.max_model_len = config.model_len(longest_prompt(tokenizer, self.prompts))
+            self.identity["online"] = {
+                "prompts": prompt_set.describe(), "num_prompts": len(self.prompts), "arms": config.arm_list,
+                "concurrency": config.concurrency, "sampling": config.sampling, "ngram": config.ngram[:2],
+                "max_model_len": self.max_model_len, "reasoning_parser": config.reasoning_parser,
+                "server_args": config.server_arg}  # not the URLs: a restarted server may move
+
+    def offline(self, out: Path) -> dict:
+        """The offline part, from offline.json when a previous run finished it."""
+        config = self.config
+        offline = load_part(out / OFFLINE)
+        if offline and "al_all_positions" not in offline:  # counted at every position (before vLLM's walk)
+            offline = None
+        if offline is None:
+            print(f"[05] offline: {len(self.ids)} samples ({self.selection}), K={self.k}", flush=True)
+            device, dtype = config.offline_placement()
+            print(f"[05] offline on {device} in {dtype}", flush=True)
+            model = load_draft(config.draft, self.target, device=device, dtype=dtype)
+            head = load_target_head(self.target, device=device, dtype=dtype) if self.store.has_last else None
+            offline = offline_eval(model, head, self.store, self.ids, self.k,
+                                   tokens_per_batch=config.offline_tokens_per_batch,
+                                   log_path=out / "progress.log", every_s=config.progress_every)
+            offline |= {"selection": self.selection, "heldout": not self.selection.startswith("all")}
+            atomic_write_json(out / OFFLINE, offline)
+        print(f"[05] offline AL {offline['acceptance_length']:.3f} over {offline['samples']} samples", flush=True)
+        return offline
+
+    def arm(self, out: Path, arm: str) -> dict:
+        """One online arm, from arms/<arm>.json when a previous run finished it."""
+        config = self.config
+        path = out / ARMS_DIR / f"{arm}.json"
+        res = load_part(path)
+        if res is None:
+            res = run_arm(arm, target=self.target, draft_dir=config.draft, k=self.k, ngram=tuple(config.ngram[:2]),
+                          prompts=self.prompts, levels=config.concurrency, sampling=config.sampling,
+                          url=config.urls.get(arm), log_dir=out,
+                          server_kwargs={**config.server_kwargs, "max_model_len": self.max_model_len},
+                          timeout=config.timeout, every_s=config.progress_every)
+            atomic_write_json(path, res)
+        al = res["spec"]["acceptance_length"]
+        print(f"[05] {arm}: " + ", ".join(f"c={r['concurrency']} {r['output_tok_s']:.1f} tok/s"
+                                          for r in res["levels"]) + (f", AL {al:.3f}" if al else ""), flush=True)
+        return res
+
+    def write_manifest(self, out: Path, offline: dict | None, results: dict) -> None:
+        from eagle3_train.common.manifest import write_manifest
+
+        config = self.config
+        inputs = {"draft": self.draft_desc, "target": self.target_desc}
+        if config.prompts:
+            inputs["prompts"] = self.identity["online"]["prompts"]
+        if self.store:
+            inputs["store"] = {**describe_file(config.store / "manifest.json"),
+                               "stage": self.store.manifest.get("stage")}
+        write_manifest(out, config.stage, config=config.to_dict(), inputs=inputs,
+                       outputs={n: n for n in (REPORT_JSON, REPORT_MD, PLOT)},
+                       counts={"offline_samples": offline["samples"] if offline else 0, "arms": len(results)},
+                       tokenizer=self.tok_desc, target=self.target_desc)
+
+
+def longest_prompt(tokenizer, prompts) -> int:
+    """Tokens of the longest prompt as the servers see it (the chat template with the generation prompt)."""
+    from eagle3_train.common.tokenization import ChatFormat
+
+    fmt = ChatFormat.from_tokenizer(tokenizer, reasoning=False)
+    return max(len(fmt.render(p.messages, add_generation_prompt=True)) for p in prompts)
+
+
+def load_part(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None  # written atomically, so this is foreign damage: redo the part

