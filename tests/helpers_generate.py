@@ -13,7 +13,7 @@ from pathlib import Path
 
 from helpers import REPO, script_path
 
-FAULT_SERVER = REPO / "scripts" / "fault_server.py"
+FAULT_SERVER = REPO / "tests" / "fault_server.py"
 GEN = script_path("01b_generate_synthetic")
 TOKENIZE = script_path("01c_tokenize")
 

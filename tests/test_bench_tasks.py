@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
 import torch
 from eagle3_testkit.bench_tasks import TASKS, bench_examples, write_bench_prompts
 from eagle3_train.common.split import is_heldout

@@ -14,6 +14,8 @@ from helpers_generate import FaultServer, env, gen_cmd, read_records, run_gen, w
 from hypothesis import given
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.e2e  # stage processes, kill -9, real files: the slow part of the suite
+
 FAST = ["--backoff-base", "0.05", "--backoff-max", "0.3", "--timeout", "2", "--max-retries", "2"]
 
 

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import importlib
+import sys
 
 import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+from helpers import REPO
 
 
 @pytest.fixture(scope="module")
 def gc():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    sys.path.insert(0, str(REPO / "scripts"))  # the script is the check: it is imported as it is run
+    try:
+        return importlib.import_module("gpu_check")
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
 
 
 def test_arguments_and_their_defaults(gc, tmp_path):
@@ -28,7 +28,10 @@ def test_arguments_and_their_defaults(gc, tmp_path):
     assert set(gc.RUN) == set(gc.STEPS)  # every listed step has its function
     assert gc.parse_args(["--device", "cpu", "--only", "02-twin"]).device == "cpu"
     assert gc.parse_args(["--device", "cpu", "--only", "04-width", "--width", "320"]).width == 320
-    for bad in (["--only", "03"], ["--only", ","], ["--budget-s", "soon"], ["--device", "cpu"]):
+    assert gc.parse_args(["--device", "cpu", "--only", "02,02-twin"]).steps == ["02", "02-twin"]
+    assert gc.parse_args(["--only", "02,mla"]).mla_steps == 40  # the former gpu_check_0N.py, by name
+    for bad in (["--only", "03"], ["--only", ","], ["--budget-s", "soon"], ["--device", "cpu"],
+                ["--device", "cpu", "--only", "mla"]):
         with pytest.raises(SystemExit) as e:
             gc.parse_args(bad)
         assert e.value.code == 2

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import REPO, STAGE_PACKAGES
 
 PKG = REPO / "eagle3-train" / "eagle3_train"

@@ -1,6 +1,6 @@
 """00_plan's figures against what the tiny runs actually write: 02's store on disk, 04's checkpoint
 (trainable weights + AdamW states) and export, and 04's memory. Memory is compared as the bytes
-04's tensors hold in one step (scripts/bench_train_memory.py: weights, gradients + AdamW states,
+04's tensors hold in one step (eagle3_testkit.train_memory: weights, gradients + AdamW states,
 the target head, what autograd saves for the backward), not the process's RSS, where the draft's
 few MB vanish beside torch and speculators."""
 
@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from eagle3_testkit import train_memory as memory
 from eagle3_train.common.manifest import read_manifest
 from eagle3_train.plan import planner
 from eagle3_train.train import budget as B
@@ -18,15 +19,6 @@ from helpers import inputs_argv, make_training_set, stage_cli
 from helpers_train import train_inputs
 
 TOLERANCE = 0.25
-
-
-def load_module(path: Path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def within(planned: int, actual: int) -> bool:
@@ -87,7 +79,6 @@ def test_04_checkpoint_and_export_match_the_plan(tmp_path, trained, llama_target
 
 @pytest.mark.parametrize("extra", [(), ("--max-tokens-per-batch", "512", "--ttt-steps", "5", "--train-lm-head")])
 def test_04_memory_matches_the_plan(tmp_path, trained, extra):
-    memory = load_module(Path(__file__).parents[1] / "scripts" / "bench_train_memory.py")
     inputs, _ = trained
     rows, flags = memory.compare(stage_cli("04_train").parse_args(inputs_argv(inputs, tmp_path / "r", *extra)))
     print({k: round(r["ratio"], 3) for k, r in rows.items()})
@@ -106,7 +97,6 @@ def mla_inputs(tmp_path_factory, deepseek_target_dir):
 def test_04_memory_of_the_mla_draft_matches_the_plan(tmp_path, mla_inputs, extra):
     """The MLA layer keeps more per TTT step than the Llama one (each step expands the whole latent
     cache again through kv_b, and dense attention keeps scores over it): the plan follows."""
-    memory = load_module(Path(__file__).parents[1] / "scripts" / "bench_train_memory.py")
     rows, flags = memory.compare(stage_cli("04_train").parse_args(inputs_argv(mla_inputs, tmp_path / "r", *extra)))
     print({k: round(r["ratio"], 3) for k, r in rows.items()})
     assert flags.draft_arch == "auto" and planner.is_mla(shape_of(mla_inputs["target"]), flags)

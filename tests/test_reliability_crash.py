@@ -29,6 +29,8 @@ from reliability import (  # noqa: F401
     temp_files,
 )
 
+pytestmark = pytest.mark.e2e  # stage processes, kill -9, real files: the slow part of the suite
+
 SLOW_TRIALS = int(os.environ.get("RELIABILITY_TRIALS", "20"))
 STAGES = ["01b", "01c", "02", "03", "04", "05"]
 

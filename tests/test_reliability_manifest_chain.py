@@ -17,6 +17,8 @@ from eagle3_train.common.store import file_sha256
 from helpers import make_training_set, stage_cli, train_argv
 from reliability import CHAIN_TRAIN, HS_ARGS, assert_one_error_line, chain, fault_server, run_inprocess  # noqa: F401
 
+pytestmark = pytest.mark.e2e  # stage processes, kill -9, real files: the slow part of the suite
+
 
 def ok(script: str, argv) -> None:
     assert stage_cli(script).main([str(a) for a in argv]) == 0

@@ -36,6 +36,8 @@ from reliability import (  # noqa: F401
     temp_files,
 )
 
+pytestmark = pytest.mark.e2e  # stage processes, kill -9, real files: the slow part of the suite
+
 STAGES = ["01b", "01c", "02", "03", "04", "05"]
 SCRIPTS = {"01b": "01b_generate_synthetic", "01c": "01c_tokenize", "02": "02_extract_hidden_states",
            "03": "03_build_vocab_mapping", "04": "04_train", "05": "05_evaluate"}

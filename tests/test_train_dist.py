@@ -18,6 +18,8 @@ from helpers import inputs_argv, script_path, stage_cli
 from helpers_train import train_inputs
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.e2e  # stage processes, kill -9, real files: the slow part of the suite
+
 SCRIPT = script_path("04_train")
 stage = stage_cli("04_train")
 

@@ -72,13 +72,16 @@ def trained(tmp_path_factory, tiny_reasoner_dir):
 
 def demo_heldout_prompts(path):
     """The demo's held-out prompts (scripts/demo.py, quick profile)."""
-    import importlib.util
+    import importlib
+    import sys
 
     from eagle3_testkit.tiny import write_prompt_file
 
-    spec = importlib.util.spec_from_file_location("demo", REPO_ROOT / "scripts" / "demo.py")
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))  # the demo is a script: imported as it is run
+    try:
+        demo = importlib.import_module("demo")
+    finally:
+        sys.path.remove(str(REPO_ROOT / "scripts"))
     return write_prompt_file(path, demo.PROFILES["quick"]["heldout_prompts"], demo.HELDOUT_SEED)
 
 

@@ -53,7 +53,7 @@ def random_target_dir(arch: str) -> Path:
 
 def tiny_reasoner_dir() -> Path:
     if not (TINY_REASONER / "model.safetensors").exists():
-        raise FileNotFoundError(f"{TINY_REASONER} is missing: run scripts/build_tiny_target.py")
+        raise FileNotFoundError(f"{TINY_REASONER} is missing: run `scripts/build_targets.py tiny`")
     return TINY_REASONER
 
 
@@ -108,5 +108,5 @@ def kimi_twin_dir() -> Path:
     from eagle3_testkit.kimi_twin_train import assemble_kimi_twin
 
     if not (KIMI_TWIN_CORE / "core.json").exists():
-        raise FileNotFoundError(f"{KIMI_TWIN_CORE} is missing: run scripts/build_kimi_twin.py")
+        raise FileNotFoundError(f"{KIMI_TWIN_CORE} is missing: run `scripts/build_targets.py kimi-twin`")
     return cached("kimi-twin", lambda d: assemble_kimi_twin(KIMI_TWIN_CORE, d))

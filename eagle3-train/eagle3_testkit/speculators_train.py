@@ -1,5 +1,5 @@
 """speculators 0.9.0's own training entry point (speculators.train.cli.main, its Trainer), run on
-a machine without an accelerator, for scripts/bench_quality.py's reference arm.
+a machine without an accelerator, for scripts/bench/quality.py's reference arm.
 
     python -m eagle3_testkit.speculators_train <speculators' train flags>
 

@@ -55,7 +55,7 @@ TEMPLATES = {"k25": K25_CHAT_TEMPLATE, "thinking-first": THINKING_FIRST_CHAT_TEM
 
 
 # ----------------------------------------------------------------------------- synthetic task
-# Questions whose reasoning is a fixed procedure, so a ~2M-parameter model learns to follow it,
+# Questions whose reasoning is a fixed procedure, so a 0.56M-parameter model learns to follow it,
 # close the reasoning with </think>, answer briefly and stop. The structure is what a draft learns.
 
 _WORDS = (

@@ -1,4 +1,4 @@
-"""Train the tiny reasoning target on CPU: a ~2M-parameter Llama that, given a synthetic question in
+"""Train the tiny reasoning target on CPU: a 0.56M-parameter Llama that, given a synthetic question in
 the K2.5-like chat format, reasons step by step, closes with </think>, answers and stops.
 
 Deterministic: same seed, same thread count -> same weights (checked by a test).

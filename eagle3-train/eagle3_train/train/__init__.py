@@ -11,7 +11,7 @@ validated once, which may change on resume).
   inputs.py      the store, mapping and target, checked to belong together; their identity
   data.py        the by-id split, packing, collation, the plan of batches per step
   model.py       the draft made from the config, the target head, the objective as processes share it
-  objective.py   the TTT forward KL; forward returns (draft tokens, loss, metrics)
+  objective.py   the TTT loss (--loss ce by default, or forward KL); forward returns (draft tokens, loss, metrics)
   dist.py        processes and devices; DDP / FSDP wrapping
   checkpoint.py  Checkpointer: interval, keep-last, atomic save with COMPLETE, load, relog
   metrics.py     Meter (sums per interval), Recorder (metrics.jsonl + progress), curves

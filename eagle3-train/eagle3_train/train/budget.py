@@ -7,7 +7,8 @@
   buys; else (the default) enough epochs that the run reaches `MIN_STEPS` steps, at most
   `MAX_EPOCHS` (issue 13: one epoch of a 2,000-prompt set is 73 steps and trained a useless draft).
 - `choose_lr`: `--lr`, or by default `LR_REF * (LR_REF_WIDTH / width) ** LR_WIDTH_EXPONENT` for a
-  draft `width` wide (issue 13: the best lr falls as the draft widens, README "04").
+  draft `width` wide (the best lr falls as the draft widens: docs/measurements.md, "The default lr
+  across widths").
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ MIN_STEPS = 1000  # optimizer steps a default run reaches (issue 13: ~1,000 step
 MAX_EPOCHS = 10  # ... repeating a small set at most this often
 # The default lr: LR_REF for a draft LR_REF_WIDTH wide, times (LR_REF_WIDTH / width) ** LR_WIDTH_EXPONENT.
 # Muon's update (match_rms_adamw) has an RMS of 0.2·lr per entry, so a wider layer's output moves more
-# per step; the width ladder (scripts/sweep_lr_width.py) measured how fast the best lr falls.
+# per step; the width ladder (scripts/bench/sweep_lr_width.py) measured how fast the best lr falls.
 LR_REF, LR_REF_WIDTH, LR_WIDTH_EXPONENT = 3e-3, 256, 0.5
 
 BUDGET_FORMS = "a time (2h, 30m, 90s), tokens (5M, 200k tokens) or steps (3000, 3000 steps)"

@@ -30,7 +30,7 @@ OPTIMIZERS = ("muon", "adamw")
 LOSSES = ("kl", "ce")
 # Dense attention scores every pair of positions in a packed batch, though only pairs inside one
 # sample count: forwards over groups of at most this many tokens cut that waste. On the benchmark's
-# 4,096-token batches (1 CPU thread, scripts/bench_group_tokens.py) 512 trains 4.5x the tokens/s of
+# 4,096-token batches (1 CPU thread, scripts/bench/group_tokens.py) 512 trains 4.5x the tokens/s of
 # one forward, 256 5.1x, 1024 3.1x; 512 leaves room for samples longer than the benchmark's.
 DENSE_GROUP_TOKENS = 512
 SCHEDULE = "schedule.json"  # the run's chosen length (recipe.choose_length), kept so a resume keeps it

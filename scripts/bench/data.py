@@ -1,7 +1,7 @@
 """The draft-quality benchmark's data (issue 13), made by the real pipeline, resumably.
 
     EAGLE3_VLLM_PYTHON=/work/main/.venv-vllm/bin/python \
-        uv run python scripts/bench_data.py [--root /work/bench] [--prompts 2000] [--heldout 100]
+        uv run python scripts/bench/data.py [--root /work/bench] [--prompts 2000] [--heldout 100]
 
   prompts  --prompts training + --heldout held-out questions of eagle3_testkit.bench_tasks (other seeds)
   01b      assets/bench-reasoner answers the training questions greedily in real vLLM, tokenized (01c)

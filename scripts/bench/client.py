@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The 01b client's own ceiling: requests/s from one pinned core against an instant local server.
 
-    python scripts/bench_client.py                      # 5000 requests x 3 rounds, concurrency 256
+    python scripts/bench/client.py                      # 5000 requests x 3 rounds, concurrency 256
 
-An instant fake server (scripts/fault_server.py --instant, the same canned vLLM-style answer to
+An instant fake server (tests/fault_server.py --instant, the same canned vLLM-style answer to
 every request) runs pinned to --server-core; each client variant runs in its own process pinned
 to --client-core, in interleaved rounds, so load from elsewhere hits all of them alike. Reported:
 median req/s, client CPU per request, and the ratio to a bare aiohttp client measured in the same
@@ -32,7 +32,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 GOAL = 2000.0
 VARIANTS = ("aiohttp-bare", "sdk-httpx-create", "sdk-aiohttp-create", "sdk-aiohttp-raw", "ours")
 MESSAGES = [{"role": "user", "content": "What is 147 + 592?"}]
@@ -48,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--server-core", type=int, default=1, help="CPU the fake server is pinned to (default: 1)")
     p.add_argument("--procs", type=int, default=2, help="processes for the ours-xP variant; 0 = skip (default: 2)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (default: all)")
-    p.add_argument("--json", default=None, help="also write the results here (default: no file)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here (default: no)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--url", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -149,13 +148,15 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(asyncio.run(child(args.child, args.url, args.requests, args.warmup, args.concurrency))))
         return 0
+    from eagle3_testkit.bench_runs import write_json
+    from eagle3_testkit.fixtures import REPO_ROOT
     from eagle3_train.common.vllm_server import free_port
 
     variants = [v for v in args.variants.split(",") if v]
     if args.procs > 1:
         variants.append(f"ours-x{args.procs}")
     port = free_port()
-    server = subprocess.Popen([sys.executable, str(REPO / "scripts" / "fault_server.py"), "--port", str(port),
+    server = subprocess.Popen([sys.executable, str(REPO_ROOT / "tests" / "fault_server.py"), "--port", str(port),
                                "--instant"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               preexec_fn=pinned(args.server_core))
     url = f"http://127.0.0.1:{port}/v1"
@@ -191,8 +192,7 @@ def main(argv=None) -> int:
         if bare:
             line += f"; ours = {ours / bare:.2f} x bare aiohttp in the same run"
         print(line)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": med}, indent=2) + "\n")
+    write_json(args.json, {"args": vars(args), "results": med})
     return 0
 
 

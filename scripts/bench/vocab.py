@@ -10,7 +10,7 @@ Timed twice: from records already parsed (the counting alone) and end to end fro
 (JSON parsing included; ours also hashes the bytes it reads). Best of --repeats; ratios are what
 to read, absolute figures depend on the machine's load.
 
-    .venv/bin/python scripts/bench_vocab.py [--records 1000 --tokens 4000]
+    .venv/bin/python scripts/bench/vocab.py [--records 1000 --tokens 4000]
 """
 
 from __future__ import annotations

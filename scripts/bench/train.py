@@ -2,7 +2,7 @@
 """Training throughput on CPU: 04_train's loop against speculators' own trainer
 (speculators.train.trainer.Trainer), same data, same draft, same config, same process.
 
-    uv run python scripts/bench_train.py [--samples 160] [--max-tokens 1024] [--ttt-steps 3] [--rounds 1]
+    uv run python scripts/bench/train.py [--samples 160] [--max-tokens 1024] [--ttt-steps 3] [--rounds 1]
 
 Inputs are made by the pipeline itself (tokenize -> 02 hf -> 03) on the tiny trained target
 (assets/tiny-reasoner, else the random tiny Llama). speculators reads the same hidden states from
@@ -17,15 +17,13 @@ shared machine; the wall-time ratio is the goal's).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from eagle3_testkit.bench_runs import training_inputs, workdir, write_json
 
 
 def parse_args(argv=None):
@@ -41,29 +39,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def stage(name: str):
-    spec = importlib.util.spec_from_file_location(f"stage_{name}", REPO / "eagle3-train" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def make_inputs(work: Path, target: Path, n: int) -> tuple[Path, Path]:
-    """tokenized set (the one tokenization module) -> 02 (hf, fp32) -> 03."""
-    from eagle3_testkit.fixtures import synthetic_training_set
-
-    data, hs, vocab = work / "tokenized", work / "hidden", work / "vocab"
-    if not (data / "manifest.json").exists():
-        synthetic_training_set(data, target, n=n, seed=4242, id_prefix="b", id_width=5)
-    if not (hs / "manifest.json").exists():
-        stage("02_extract_hidden_states").main(["--input", str(data), "--output", str(hs), "--model",
-                                                str(target), "--storage", "fp32"])
-    if not (vocab / "manifest.json").exists():
-        stage("03_build_vocab_mapping").main(["--data", str(data), "--target", str(target), "--out", str(vocab),
-                                              "--draft-vocab-size", "256"])
-    return hs, vocab
-
-
 def speculators_data(work: Path, hs: Path) -> Path:
     """The same samples in speculators' offline format (eagle3_testkit.speculators_data), fp32, all training."""
     from eagle3_testkit.speculators_data import convert_store
@@ -75,6 +50,7 @@ def speculators_data(work: Path, hs: Path) -> Path:
 
 def run_ours(work: Path, hs: Path, vocab: Path, target: Path, args, k: int) -> dict:
     from eagle3_train.train import run
+    from eagle3_train.train.cli import parse_args as train_args
     from eagle3_train.train.metrics import read_metrics
 
     out = work / f"ours-{k}"
@@ -83,7 +59,7 @@ def run_ours(work: Path, hs: Path, vocab: Path, target: Path, args, k: int) -> d
             "--max-tokens-per-batch", str(args.max_tokens), "--ttt-steps", str(args.ttt_steps),
             "--val-fraction", "0", "--epochs", "1", "--save-every", "1000000", "--log-every", "1000000",
             "--lr", "1e-3", "--attn", "sdpa", "--loss-impl", "eager", "--quiet", "--overwrite"]
-    run(stage("04_train").parse_args(argv))
+    run(train_args(argv))
     # One record for the whole epoch: tokens and the loop's wall time, first batch's load included,
     # the final checkpoint/export not (speculators' train_epoch does neither).
     rec = read_metrics(out)["train"][-1]
@@ -144,21 +120,19 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     target = TINY_REASONER if (TINY_REASONER / "model.safetensors").exists() else random_target_dir("llama")
-    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="bench_train-")
-    work = args.workdir or Path(tmp.name)
-    work.mkdir(parents=True, exist_ok=True)
-    hs, vocab = make_inputs(work, target, args.samples)
-    data = speculators_data(work, hs)
     results = []
-    for k in range(args.rounds):
-        spec = run_speculators(work, data, hs, vocab, target, args, k)
-        ours = run_ours(work, hs, vocab, target, args, k)
-        results.append({"ours": ours, "speculators": spec, "ratio": ours["tokens_per_s"] / spec["tokens_per_s"],
-                        "cpu_ratio": ours["tokens_per_cpu_s"] / spec["tokens_per_cpu_s"]})
-        print(f"round {k}: ours {ours['tokens_per_s']:.0f} tok/s ({ours['tokens']} tokens, "
-              f"{ours['steps']} steps), speculators {spec['tokens_per_s']:.0f} tok/s "
-              f"({spec['tokens']} tokens, {spec['steps']} steps), ratio {results[-1]['ratio']:.2f} "
-              f"(per CPU-second: {results[-1]['cpu_ratio']:.2f})", flush=True)
+    with workdir(args.workdir, "bench_train-") as work:
+        hs, vocab = training_inputs(work, target, args.samples)
+        data = speculators_data(work, hs)
+        for k in range(args.rounds):
+            spec = run_speculators(work, data, hs, vocab, target, args, k)
+            ours = run_ours(work, hs, vocab, target, args, k)
+            results.append({"ours": ours, "speculators": spec, "ratio": ours["tokens_per_s"] / spec["tokens_per_s"],
+                            "cpu_ratio": ours["tokens_per_cpu_s"] / spec["tokens_per_cpu_s"]})
+            print(f"round {k}: ours {ours['tokens_per_s']:.0f} tok/s ({ours['tokens']} tokens, "
+                  f"{ours['steps']} steps), speculators {spec['tokens_per_s']:.0f} tok/s "
+                  f"({spec['tokens']} tokens, {spec['steps']} steps), ratio {results[-1]['ratio']:.2f} "
+                  f"(per CPU-second: {results[-1]['cpu_ratio']:.2f})", flush=True)
     ratios = sorted(r["ratio"] for r in results)  # the machine is shared: one round can be unlucky
     cpu_ratios = sorted(r["cpu_ratio"] for r in results)
     summary = {"target": str(target), "samples": args.samples, "max_tokens": args.max_tokens,
@@ -167,10 +141,7 @@ def main(argv=None) -> int:
                "goal": ">= 1.0"}
     print(f"training tokens/s, ours / speculators' Trainer: median ratio {summary['median_ratio']:.2f} "
           f"(per CPU-second {summary['median_cpu_ratio']:.2f}) over {args.rounds} round(s) (goal >= 1.0)")
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=2) + "\n")
-    if tmp:
-        tmp.cleanup()
+    write_json(args.json, summary)
     return 0
 
 

@@ -1,38 +1,23 @@
-"""04's memory on CPU, part by part, against the planner's figure (planner.train_memory).
+"""04's memory, part by part, against the planner's figure (planner.train_memory), measured as what
+its tensors hold, not the process's RSS (torch and speculators alone are ~1 GB of it, which would
+swamp a draft of a few MB): scripts/bench/train_memory.py and tests/test_planner.py.
 
-    uv run python scripts/bench_train_memory.py [--max-tokens 1024] [--ttt-steps 3] [--samples 64]
-
-Builds 04's Trainer on the tiny trained target (tokenized -> 02 fp32 -> 03, as bench_train.py does)
-and measures what its tensors hold, not the process's RSS (torch and speculators alone are ~1 GB of
-it, which would swamp a draft of a few MB):
   weights        every parameter of the draft (frozen ones too)
   grads_and_adam the gradients + AdamW's two states after one step
   target_head    the frozen target head's buffers (norm, full lm_head, the draft-vocab rows) and
                  the batch's targets it computes
   activations    what autograd keeps for the backward during one full-size step (saved tensors,
                  each storage counted once, parameters and the batch's inputs excluded)
-Prints each part planned / measured; exits 1 if the total is off by more than --tolerance.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+PARTS = ("weights", "grads_and_adam", "target_head", "activations", "total")
 
 
 def nbytes(tensors) -> int:
@@ -87,9 +72,6 @@ def measure(trainer) -> dict:
             "activations": activations, "tokens": tokens}
 
 
-PARTS = ("weights", "grads_and_adam", "target_head", "activations", "total")
-
-
 def compare(cfg) -> tuple[dict, object]:
     """04's Trainer for `cfg` (a parsed 04 config) measured against planner.train_memory:
     {part: {planned, measured, ratio}} and the planner flags used."""
@@ -114,39 +96,3 @@ def compare(cfg) -> tuple[dict, object]:
     plan = planner.train_memory(shape, flags)
     rows = {k: {"planned": plan[k], "measured": got[k], "ratio": plan[k] / got[k] if got[k] else None} for k in PARTS}
     return rows, flags
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--max-tokens", type=int, default=1024, help="04's --max-tokens-per-batch (default: 1024)")
-    p.add_argument("--ttt-steps", type=int, default=3, help="04's --ttt-steps (default: 3)")
-    p.add_argument("--samples", type=int, default=64, help="samples to extract (default: 64)")
-    p.add_argument("--tolerance", type=float, default=0.25, help="allowed |plan - measured| / measured (default: 0.25)")
-    p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    from eagle3_testkit.fixtures import tiny_reasoner_dir
-
-    target = tiny_reasoner_dir()
-    bench = load(REPO / "scripts" / "bench_train.py", "bench_train")
-    stage = load(REPO / "eagle3-train" / "04_train.py", "stage_04")
-    with tempfile.TemporaryDirectory(prefix="bench_train_memory-") as tmp:
-        work = Path(tmp)
-        hs, vocab = bench.make_inputs(work, target, args.samples)
-        cfg = stage.parse_args(["--hidden-states", str(hs), "--vocab-mapping", str(vocab), "--target", str(target),
-                                "--out", str(work / "run"), "--max-tokens-per-batch", str(args.max_tokens),
-                                "--ttt-steps", str(args.ttt_steps), "--device", "cpu", "--quiet", "--threads", "1"])
-        rows, flags = compare(cfg)
-    for k, r in rows.items():
-        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
-        print(f"{k:15s} planned {r['planned'] / 2**20:9.2f} MiB   measured {r['measured'] / 2**20:9.2f} MiB   "
-              f"plan/measured {ratio}")
-    print(f"batch {flags.max_tokens_per_batch} tokens, TTT {flags.ttt_steps}, attention {flags.attn}, "
-          f"draft vocab {flags.draft_vocab_size}, storage {flags.storage}")
-    if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "flags": vars(flags)}, indent=1, default=str))
-    return 0 if abs(rows["total"]["ratio"] - 1) <= args.tolerance else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

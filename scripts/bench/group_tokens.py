@@ -2,10 +2,10 @@
 forward + backward at several group sizes, as a ratio to one forward over the whole batch, all in
 one process on the same batches.
 
-    uv run python scripts/bench_group_tokens.py [--hidden-states /work/bench/02 --vocab-mapping /work/bench/03
+    uv run python scripts/bench/group_tokens.py [--hidden-states /work/bench/02 --vocab-mapping /work/bench/03
         --target assets/bench-reasoner] [--max-tokens 4096] [--groups 0,256,512,1024] [--steps 4] [--rounds 3]
 
-Without --hidden-states it builds the tiny trained target's inputs (as bench_train.py does). The
+Without --hidden-states it builds the tiny trained target's inputs (as scripts/bench/train.py does). The
 settings take turns within each round, so the machine's drift hits them alike; each one's loss on
 the same batches is printed beside one forward's, which it must equal up to rounding.
 """
@@ -13,14 +13,14 @@ the same batches is printed beside one forward's, which it must equal up to roun
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from bench_train_memory import REPO, load  # scripts/ is on the path of a script run from it
+from eagle3_testkit.bench_runs import training_inputs, write_json
+from eagle3_train.train.cli import parse_args as train_args
 
 
 def main(argv=None) -> int:
@@ -34,11 +34,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4, help="steps timed per setting and round (default: 4)")
     p.add_argument("--rounds", type=int, default=3, help="rounds (default: 3)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1)")
-    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here (default: no)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     groups = [int(g) for g in args.groups.split(",")]
-    stage = load(REPO / "eagle3-train" / "04_train.py", "stage_04")
     from eagle3_train.train.dist import setup_dist
     from eagle3_train.train.inputs import open_inputs
     from eagle3_train.train.loop import Trainer
@@ -49,12 +48,12 @@ def main(argv=None) -> int:
             from eagle3_testkit.fixtures import tiny_reasoner_dir
 
             target = tiny_reasoner_dir()
-            hs, vocab = load(REPO / "scripts" / "bench_train.py", "bench_train").make_inputs(work, target, 64)
+            hs, vocab = training_inputs(work, target, 64)
         else:
             hs, vocab, target = args.hidden_states, args.vocab_mapping, args.target
-        cfg = stage.parse_args(["--hidden-states", str(hs), "--vocab-mapping", str(vocab), "--target", str(target),
-                                "--output-dir", str(work / "run"), "--max-tokens-per-batch", str(args.max_tokens),
-                                "--device", "cpu", "--quiet", "--threads", str(args.threads)])
+        cfg = train_args(["--hidden-states", str(hs), "--vocab-mapping", str(vocab), "--target", str(target),
+                          "--output-dir", str(work / "run"), "--max-tokens-per-batch", str(args.max_tokens),
+                          "--device", "cpu", "--quiet", "--threads", str(args.threads)])
         d = setup_dist("cpu")
         trainer = Trainer(cfg, d, open_inputs(cfg, d.dtype), work / "run")
         batches = [trainer.loader.step(i) for i in range(args.steps)]
@@ -82,8 +81,7 @@ def main(argv=None) -> int:
     for g, r in rows.items():
         print(f"--group-tokens {g:5d}: {r['tokens_per_s']:8.0f} tok/s   x{r['ratio']:.2f} of --group-tokens {base}   "
               f"loss max rel diff {r['max_loss_rel_diff']:.1e}")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    write_json(args.json, rows)
     return 0
 
 

@@ -4,7 +4,7 @@ budget (issue 16): 04 trains each (identical flags but --draft-arch), then 05 me
 (offline walked AL on held-out stored samples, and vLLM's AL from its spec-decode counters, eagle3
 arm, served bf16 through AMX_MLA on CPU).
 
-    uv run python scripts/bench_mla.py --store DIR --vocab DIR --prompts heldout.jsonl [--target DIR]
+    uv run python scripts/bench/mla.py --store DIR --vocab DIR --prompts heldout.jsonl [--target DIR]
         [--out /tmp/mla/bench] [--epochs 2] [--archs llama,mla] [--no-online]
 
 The store and vocab are 02/03 outputs for the target (e.g. `scripts/demo.py --kimi-twin --quick`'s
@@ -20,13 +20,11 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-STAGES = REPO / "eagle3-train"
-sys.path.insert(0, str(STAGES))
+from eagle3_testkit.bench_runs import run_stage
+from eagle3_train.common.errors import run_main
 
 
 def parse_args(argv=None):
@@ -44,15 +42,6 @@ def parse_args(argv=None):
     p.add_argument("--no-online", action="store_true", help="skip 05's vLLM arm (offline AL only)")
     p.add_argument("--report-only", action="store_true", help="no runs: the table from the runs already in --out")
     return p.parse_args(argv)
-
-
-def run(cmd: list, log: Path) -> None:
-    with open(log, "a") as f:
-        f.write("$ " + " ".join(map(str, cmd)) + "\n")
-        f.flush()
-        r = subprocess.run([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
-    if r.returncode:
-        raise SystemExit(f"error: {' '.join(map(str, cmd[:2]))} exited {r.returncode}; see {log}")
 
 
 def params(export: Path) -> dict:
@@ -92,23 +81,22 @@ def main(argv=None) -> int:
     target = (args.target or kimi_twin_dir()).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "bench.log"
-    py = sys.executable
     rows = {}
     for arch in args.archs.split(","):
         d = args.out / arch
         if not args.report_only:
-            run([py, STAGES / "04_train.py", "--hidden-states", args.store, "--vocab-mapping", args.vocab,
-                 "--target", target, "--output-dir", d / "04", "--draft-arch", arch, "--epochs", args.epochs,
-                 "--lr", "3e-3", "--ttt-steps", 3, "--num-speculative-tokens", 3, "--max-tokens-per-batch",
-                 args.max_tokens_per_batch, "--val-fraction", 0.1, "--save-every", 50, "--warmup-steps", 10,
-                 "--log-every", 1, "--quiet"], log)
-            eval_cmd = [py, STAGES / "05_evaluate.py", "--draft", d / "04" / "export", "--target", target,
-                        "--store", args.store, "--output-dir", d / "05", "--max-model-len", 1024]
+            run_stage("04_train.py", [
+                "--hidden-states", args.store, "--vocab-mapping", args.vocab, "--target", target, "--output-dir",
+                d / "04", "--draft-arch", arch, "--epochs", args.epochs, "--lr", "3e-3", "--ttt-steps", 3,
+                "--num-speculative-tokens", 3, "--max-tokens-per-batch", args.max_tokens_per_batch, "--val-fraction",
+                0.1, "--save-every", 50, "--warmup-steps", 10, "--log-every", 1, "--quiet"], log)
+            evaluate = ["--draft", d / "04" / "export", "--target", target, "--store", args.store, "--output-dir",
+                        d / "05", "--max-model-len", 1024]
             if not args.no_online:  # without prompts 05 runs the offline part only
-                eval_cmd += ["--prompts", args.prompts, "--num-prompts", args.num_prompts, "--arms", "eagle3",
+                evaluate += ["--prompts", args.prompts, "--num-prompts", args.num_prompts, "--arms", "eagle3",
                              "--concurrency", 8, "--max-tokens", args.max_tokens,
                              "--server-arg=--dtype=bfloat16", "--server-arg=--attention-backend=AMX_MLA"]
-            run(eval_cmd, log)
+            run_stage("05_evaluate.py", evaluate, log)
         rows[arch] = measure(d)
         (args.out / "bench_mla.json").write_text(json.dumps(rows, indent=2) + "\n")
     print("| head | params (export) | params w/o embed+lm_head | steps | train tok/s (wall, median) | tok/CPU-s "
@@ -126,4 +114,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

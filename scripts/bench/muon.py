@@ -2,7 +2,7 @@
 the hidden matrices of a one-layer Llama draft of each width (the benchmark draft's proportions:
 MLP 3x wide, 32-wide heads, 4 query heads per key/value head, fc 3x wide in), in one process.
 
-    uv run python scripts/bench_muon.py --widths 256,512,1024 --threads 1
+    uv run python scripts/bench/muon.py --widths 256,512,1024 --threads 1
 
 Prints seconds per step for each dtype and their ratio (the speed-up of fp32 here).
 """

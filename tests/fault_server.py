@@ -26,7 +26,7 @@ With `--tokenizer DIR` the ids are the real ones of that tokenizer (the prompt r
 chat template, the answer as the target would emit it); otherwise they are stand-in ids.
 `--instant` answers every request with the same precomputed bytes (the client benchmark).
 
-    python scripts/fault_server.py --port 8123 --schedule "500,reset,ok" --log /tmp/faults.jsonl
+    python tests/fault_server.py --port 8123 --schedule "500,reset,ok" --log /tmp/faults.jsonl
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 both drafts served by real vLLM; acceptance length and the ratios printed.
 
     EAGLE3_VLLM_PYTHON=/work/main/.venv-vllm/bin/python \
-        uv run python scripts/bench_quality.py [--root /work/bench] [--results /work/bench/results] \
+        uv run python scripts/bench/quality.py [--root /work/bench] [--results /work/bench/results] \
         [--arm NAME=KIND:FLAGS ...] [--only NAME,NAME] [--num-prompts 100]
 
-Needs scripts/bench_data.py's output under --root (02 store, 03 vocabulary, held-out prompts).
+Needs scripts/bench/data.py's output under --root (02 store, 03 vocabulary, held-out prompts).
 Each arm trains one draft, then 05_evaluate serves it in vLLM (eagle3, greedy, k = 3) on the
 held-out prompts. KIND is `speculators` (speculators.train.cli through
 eagle3_testkit.speculators_train, on the 02 store converted by eagle3_testkit.speculators_data; its
@@ -51,7 +51,8 @@ K = 3
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--root", type=Path, default=Path("/work/bench"), help="bench_data.py's output (default: /work/bench)")
+    p.add_argument("--root", type=Path, default=Path("/work/bench"),
+                   help="scripts/bench/data.py's output (default: /work/bench)")
     p.add_argument("--results", type=Path, default=None, help="(default: <root>/results)")
     p.add_argument("--target", type=Path, default=BENCH_TARGET, help=f"(default: {BENCH_TARGET})")
     p.add_argument("--arm", action="append", default=[], metavar="NAME=KIND:FLAGS",
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
     d = layout(args.root)
     for key in ("hidden", "vocab", "heldout"):
         if not d[key].exists():
-            raise PipelineError(f"{d[key]} is missing: run scripts/bench_data.py --root {args.root} first")
+            raise PipelineError(f"{d[key]} is missing: run scripts/bench/data.py --root {args.root} first")
     results = args.results or d["root"] / "results"
     arms = parse_arms(args.arm)
     names = args.only.split(",") if args.only else list(arms)
