@@ -165,3 +165,40 @@ def test_plan_script_reads_a_wrapper_config_and_prints_json(tmp_path, capsys):
     assert p["stages"]["02"]["hours"] == round(10000 / 1000 / 3600, 2)
     # the fp32 export at Kimi size: every draft weight (embed 163840 x 7168 among them) in 4 bytes
     assert 8e9 < p["stages"]["04"]["export_fp32"] < 10e9
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--gpus", "0"], "--gpus must be positive, not 0"),
+    (["--samples", "-5"], "--samples must be positive, not -5"),
+    (["--draft-vocab-size", "-1"], "--draft-vocab-size must be positive"),
+    (["--max-tokens-per-batch", "0"], "--max-tokens-per-batch must be positive"),
+    (["--rate-02", "0"], "--rate-02 must be positive"),
+])
+def test_plan_refuses_impossible_settings_in_one_line(flags, needle, capfd):
+    from eagle3_train.common.errors import run_main
+
+    target = Path(__file__).parents[1] / "docs" / "kimi-k2.5-text-config.json"
+    assert run_main(stage_cli("00_plan").main, ["--target", str(target), *flags]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [f"error: {err[0][len('error: '):]}"] and needle in err[0], err
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"stage": "04_train", "outputs": {}}', "not a model's config.json (no hidden_size"),
+    ("not json", "not a JSON model config"),
+])
+def test_plan_refuses_a_target_file_that_is_not_a_model_config(tmp_path, content, needle, capfd):
+    from eagle3_train.common.errors import run_main
+
+    (tmp_path / "manifest.json").write_text(content)
+    assert run_main(stage_cli("00_plan").main, ["--target", str(tmp_path / "manifest.json")]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_plan_names_a_missing_target_folder_as_missing(tmp_path, capfd):
+    from eagle3_train.common.errors import run_main
+
+    assert run_main(stage_cli("00_plan").main, ["--target", str(tmp_path / "no-such-model")]) == 2
+    err = capfd.readouterr().err.strip()
+    assert "no such folder or file" in err and "repo" not in err, err
