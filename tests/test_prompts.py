@@ -56,14 +56,24 @@ def test_content_hash_is_stable_and_depends_on_the_conversation_only():
 
 
 def test_dedup_limit_and_counts(tmp_path):
-    rows = [{"id": "a", "prompt": "1"}, {"id": "b", "prompt": "2"}, {"id": "a", "prompt": "other"},
+    rows = [{"id": "a", "prompt": "1"}, {"id": "b", "prompt": "2"}, {"id": "a", "prompt": "1"},
             {"id": "c", "prompt": "3"}, {"id": "d", "prompt": "4"}]
     ps = load_prompts(str(write_jsonl(tmp_path / "p.jsonl", rows)))
-    assert ps.ids == ["a", "b", "c", "d"]
-    assert ps.counts["duplicates"] == 1 and ps.counts["duplicates_differing"] == 1
-    assert ps.prompts[0].messages[0]["content"] == "1"  # first occurrence wins
+    assert ps.ids == ["a", "b", "c", "d"]  # the same row again is asked once
+    assert ps.counts["duplicates"] == 1 and ps.counts["duplicates_differing"] == 0
     assert load_prompts(str(tmp_path / "p.jsonl"), limit=2).ids == ["a", "b"]
     assert ps.source["kind"] == "file" and len(ps.source["sha256"]) == 64
+
+
+def test_one_id_with_two_conversations_is_refused_naming_both_rows(tmp_path):
+    rows = [{"id": "a", "prompt": "1"}, {"id": "b", "prompt": "2"}, {"id": "a", "prompt": "other"}]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.raises(PipelineError, match=rf"{path}:3: id 'a' appears twice with different conversations "
+                                            rf"\(first at {path}:1\)"):
+        load_prompts(str(path))
+    ps = load_prompts(str(path), skip_invalid=True)  # asked to skip bad rows: the first wins, counted
+    assert ps.ids == ["a", "b"] and ps.prompts[0].messages[0]["content"] == "1"
+    assert ps.counts["duplicates"] == 1 and ps.counts["duplicates_differing"] == 1
 
 
 def test_shards_partition_the_ids(tmp_path):

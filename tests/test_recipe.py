@@ -30,13 +30,37 @@ def test_budget_forms(text, kind, amount):
     assert (b.kind, b.amount) == (kind, amount)
 
 
-@pytest.mark.parametrize("text", ["", "abc", "0", "0h", "-3", "2 hours", "5x", "1.5", "5m tokens", "3e3", "h"])
+def test_negative_looking_values_reach_the_configs_check(capsys):
+    """argparse takes `-1,2` or `-2h` for an option ("expected one argument"); 04 joins them to
+    their flag so the config's own one-line message answers."""
+    base = ["--hidden-states", "h", "--vocab-mapping", "v", "--target", "t", "--out", "o"]
+    with pytest.raises(PipelineError, match=r"--aux-layer-ids \[-1, 2\]: layer ids are 1..N"):
+        stage.parse_args([*base, "--aux-layer-ids", "-1,2"])
+    with pytest.raises(PipelineError, match="--budget must be positive"):
+        stage.parse_args([*base, "--budget", "-2h"])
+
+
+@pytest.mark.parametrize("text", ["", "abc", "2 hours", "5x", "1.5", "5m tokens", "3e3", "h"])
 def test_malformed_budgets_are_one_error_line(text, capsys):
     with pytest.raises(PipelineError, match="--budget must be a time"):
         B.parse_budget(text)
     with pytest.raises(PipelineError, match="--budget"):  # the script refuses it before any work
         stage.parse_args(["--hidden-states", "h", "--vocab-mapping", "v", "--target", "t", "--out", "o",
                           "--budget", text])
+
+
+@pytest.mark.parametrize("text", ["0", "0h", "0 steps", "0M", "-3", "-3 steps", "-2h"])
+def test_a_budget_of_nothing_is_said_to_be_not_positive(text, tmp_path, capfd):
+    from eagle3_train.common.errors import run_main
+
+    out = tmp_path / "run"
+    capfd.readouterr()
+    assert run_main(stage.main, ["--hidden-states", str(tmp_path / "h"), "--vocab-mapping", str(tmp_path / "v"),
+                                 "--target", str(tmp_path / "t"), "--out", str(out), "--budget", text]) == 2
+    err = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
+    assert err == [f"error: --budget must be positive (a duration like 2h, tokens like 5M, or steps like 3000), "
+                   f"not {text}"], err
+    assert not out.exists()  # refused before any work
 
 
 def test_budget_and_epochs_are_not_both_given():

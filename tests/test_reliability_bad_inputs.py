@@ -124,6 +124,71 @@ def test_01b_bad_prompt_rows(row, needles, tmp_path, fault_server, capfd):
         not (tmp_path / "gen" / "raw_responses.jsonl").read_bytes(), "requests were made before the input was checked"
 
 
+def test_01b_same_id_with_another_prompt(tmp_path, fault_server, capfd):
+    """Two rows with one id: the same prompt again is asked once (as before); another prompt under
+    that id is refused naming the id and both rows (01a's rule, prompts.repeated_id), before any
+    request and without touching the finished output of the earlier run."""
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "gen"
+    a, b = '{"id": "a", "prompt": "first"}', '{"id": "b", "prompt": "other"}'
+    prompts.write_text(f"{a}\n{b}\n{a}\n")
+    res = run01b(prompts, out, fault_server.url, capfd)
+    assert res.rc == 0, res.stderr
+    assert [json.loads(x)["id"] for x in (out / "raw_responses.jsonl").read_text().splitlines()] == ["a", "b"]
+    before, asked = snapshot(out), len(fault_server.requests())
+    prompts.write_text(f'{a}\n{b}\n{{"id": "a", "prompt": "second"}}\n')
+    res = run01b(prompts, out, fault_server.url, capfd)
+    assert_one_error_line(res, "'a' appears twice", "different", "p.jsonl:1", "p.jsonl:3")
+    assert_unchanged(before, out, allow_new=lambda rel: False)
+    assert len(fault_server.requests()) == asked
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--max-tokens", "0", "at least 1"), ("--temperature", "-1", "not be negative"),
+    ("--top-p", "0", "(0, 1]"), ("--top-p", "1.5", "(0, 1]"), ("--concurrency", "0", "positive"),
+    ("--timeout", "0", "positive"), ("--connect-timeout", "0", "positive"), ("--max-retries", "-1", "negative"),
+    ("--abort-after", "-1", "negative"), ("--backoff-base", "-2", "negative"), ("--limit", "0", ">= 1"),
+])
+def test_01b_nonsense_numbers_are_refused_before_any_request(flag, value, needle, tmp_path, fault_server, capfd):
+    prompts = write_prompts(tmp_path / "p.jsonl", ["a", "b"])
+    asked = len(fault_server.requests())
+    res = run01b(prompts, tmp_path / "gen", fault_server.url, capfd, flag, value)
+    assert_one_error_line(res, f"{flag} must", needle, value)
+    assert len(fault_server.requests()) == asked and not (tmp_path / "gen").exists()
+
+
+@pytest.mark.parametrize("abort_after", ["64", "2"], ids=["all-sent", "streak-abort"])
+def test_01b_every_request_rejected_says_why_and_writes_no_manifest(abort_after, tmp_path, fault_server, capfd):
+    """Requests the server rejects (400) fail the same way on every rerun: the line names the
+    cause instead of advising a rerun, exit 2, and an output with no answer is not complete."""
+    prompts = write_prompts(tmp_path / "p.jsonl", [f"[[fault:400]] q{i}" for i in range(4)])
+    out = tmp_path / "gen"
+    res = run01b(prompts, out, fault_server.url, capfd, "--abort-after", abort_after, "--concurrency", "1")
+    line = refused(res, {}, out, "rejected as a bad request", "400", "a rerun would fail the same way")
+    assert "rerun the same command" not in res.stderr and "retry them" not in res.stderr, res.stderr
+    assert line.startswith("error: every request" if abort_after == "64" else "error: 2 requests in a row")
+    errs = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
+    assert {e["error_type"] for e in errs} == {"http_400"} and not any(e["retryable"] for e in errs)
+
+
+def test_01b_some_requests_rejected_is_exit_1_without_rerun_advice(tmp_path, fault_server, capfd):
+    prompts = write_prompts(tmp_path / "p.jsonl", ["fine 1", "[[fault:400]] bad", "fine 2"])
+    out = tmp_path / "gen"
+    res = run01b(prompts, out, fault_server.url, capfd)
+    assert res.rc == 1 and not res.error_lines(), res.stderr
+    assert "1 ids were rejected as a bad request (400" in res.stderr and "a rerun would fail the same way" in res.stderr
+    assert "rerun the same command" not in res.stderr
+    man = json.loads((out / "manifest.json").read_text())
+    assert (man["counts"]["answered"], man["counts"]["failed"]) == (2, 1)
+
+
+def test_01b_base_url_without_v1_names_the_404(tmp_path, fault_server, capfd):
+    prompts = write_prompts(tmp_path / "p.jsonl", ["a"])
+    url = fault_server.url.removesuffix("/v1")
+    res = run01b(prompts, tmp_path / "gen", url, capfd)
+    line = refused(res, {}, tmp_path / "gen", "answered 404", f"{url}/models", "must end in /v1")
+    assert "not reachable" not in line
+
+
 def test_01b_server_unreachable(tmp_path, capfd):
     from eagle3_train.common.vllm_server import free_port
 
@@ -211,8 +276,16 @@ def test_01b_completions_with_wrong_schema_abort_after_a_streak(tmp_path, capfd,
 # ----------------------------------------------------------------------------- 01c inputs
 
 def raw_input(raw_dir: Path, tmp_path: Path, fn) -> Path:
+    """A 01b output whose records were bad when 01b finished: the manifest describes the edited
+    file (01c refuses a file changed after its manifest: test_01c_raw_file_changed_after_01b)."""
+    from eagle3_train.common.manifest import describe_file
+
     d = copy(raw_dir, tmp_path / "raw")
     edit_jsonl(d / "raw_responses.jsonl", fn)
+    man = json.loads((d / "manifest.json").read_text())
+    man["outputs"]["raw_responses"] = describe_file(d / "raw_responses.jsonl")
+    man["counts"]["records_in_file"] = len((d / "raw_responses.jsonl").read_text().splitlines())
+    (d / "manifest.json").write_text(json.dumps(man))
     return d
 
 

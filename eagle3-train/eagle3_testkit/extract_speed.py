@@ -1,4 +1,4 @@
-"""02's speed measured (scripts/bench/extract.py, scripts/bench/extract_vllm.py, the GPU check's 02
+"""02's speed measured (scripts/bench/extract.py speed and vllm, the GPU check's 02
 step): tokenized sets of random tokens, and the hf backend's extraction tokens/s against a plain
 forward over the same batches in the same process."""
 

@@ -1,5 +1,5 @@
 """Our 02 store in speculators 0.9.0's offline training format, so its own Trainer reads the very
-samples 04 trains on (scripts/bench/quality.py, scripts/bench/train.py).
+samples 04 trains on (scripts/bench/quality.py, `scripts/bench/train.py speed`).
 
 What speculators.train.data.ArrowDataset reads (its data generation writes the same):
   <out>/                     a `datasets` dataset (save_to_disk): input_ids, loss_mask, seq_len per row

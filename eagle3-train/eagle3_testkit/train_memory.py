@@ -1,6 +1,6 @@
 """04's memory, part by part, against the planner's figure (planner.train_memory), measured as what
 its tensors hold, not the process's RSS (torch and speculators alone are ~1 GB of it, which would
-swamp a draft of a few MB): scripts/bench/train_memory.py and tests/test_planner.py.
+swamp a draft of a few MB): scripts/bench/train.py memory and tests/test_planner.py.
 
   weights        every parameter of the draft (frozen ones too)
   grads_and_adam the gradients + AdamW's two states after one step

@@ -1,42 +1,31 @@
 #!/usr/bin/env python3
-"""Training throughput on CPU: 04_train's loop against speculators' own trainer
-(speculators.train.trainer.Trainer), same data, same draft, same config, same process.
+"""Benchmarks of 04_train on CPU, one subcommand each (`train.py CMD --help`: what it measures, how
+to read its ratio, its flags).
 
-    uv run python scripts/bench/train.py [--samples 160] [--max-tokens 1024] [--ttt-steps 3] [--rounds 1]
-
-Inputs are made by the pipeline itself (tokenize -> 02 hf -> 03) on the tiny trained target
-(assets/tiny-reasoner, else the random tiny Llama). speculators reads the same hidden states from
-its own on-disk format (an Arrow dataset + hs_<i>.safetensors per sample, as its data generation
-writes). Both sides: one epoch over the same samples, 1-layer Llama draft with the target's
-width, sdpa attention, eager forward-KL, fp32, AdamW, packed batches of --max-tokens tokens.
-Reported: real (unpadded) tokens per second of training wall time and per CPU-second of this
-process for each, and the ratios ours / speculators (the CPU-time ratio is the steadier one on a
-shared machine; the wall-time ratio is the goal's).
+  uv run python scripts/bench/train.py speed [--samples 160] [--max-tokens 1024] [--ttt-steps 3] [--rounds 1]
+  uv run python scripts/bench/train.py memory [--max-tokens 1024] [--ttt-steps 3] [--samples 64]
+  uv run python scripts/bench/train.py group-tokens [--max-tokens 4096] [--groups 0,256,512,1024]
+  uv run python scripts/bench/train.py muon --widths 256,512,1024 --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import torch
 from eagle3_testkit.bench_runs import training_inputs, workdir, write_json
+from eagle3_testkit.train_memory import compare
+from eagle3_train.train.cli import parse_args as train_args
+from eagle3_train.train.muon import Muon
 
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--samples", type=int, default=160, help="synthetic samples (default: 160)")
-    p.add_argument("--max-tokens", type=int, default=1024, help="tokens per packed batch (default: 1024)")
-    p.add_argument("--ttt-steps", type=int, default=3, help="TTT steps, speculators' default (default: 3)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="alternating rounds of both; the median ratio is reported (default: 3)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--workdir", type=Path, default=None, help="keep inputs here (default: a temp dir)")
-    p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    return p.parse_args(argv)
+# --- speed: ours against speculators' Trainer -------------------------------------------------------------------
 
 
 def speculators_data(work: Path, hs: Path) -> Path:
@@ -50,7 +39,6 @@ def speculators_data(work: Path, hs: Path) -> Path:
 
 def run_ours(work: Path, hs: Path, vocab: Path, target: Path, args, k: int) -> dict:
     from eagle3_train.train import run
-    from eagle3_train.train.cli import parse_args as train_args
     from eagle3_train.train.metrics import read_metrics
 
     out = work / f"ours-{k}"
@@ -69,7 +57,6 @@ def run_ours(work: Path, hs: Path, vocab: Path, target: Path, args, k: int) -> d
 
 
 def run_speculators(work: Path, data: Path, hs: Path, vocab: Path, target: Path, args, k: int) -> dict:
-    import torch
     from eagle3_train.train import draft as D
     from eagle3_train.train import draft_core as core
     from eagle3_train.vocab.mapping import read_mapping
@@ -112,11 +99,23 @@ def run_speculators(work: Path, data: Path, hs: Path, vocab: Path, target: Path,
             "tokens_per_cpu_s": tokens / cpu, "steps": len(loader)}
 
 
-def main(argv=None) -> int:
-    import torch
+def speed(args) -> int:
+    """Training throughput on CPU: 04_train's loop against speculators' own trainer
+    (speculators.train.trainer.Trainer), same data, same draft, same config, same process.
+
+        uv run python scripts/bench/train.py speed [--samples 160] [--max-tokens 1024] [--ttt-steps 3] [--rounds 1]
+
+    Inputs are made by the pipeline itself (tokenize -> 02 hf -> 03) on the tiny trained target
+    (assets/tiny-reasoner, else the random tiny Llama). speculators reads the same hidden states from
+    its own on-disk format (an Arrow dataset + hs_<i>.safetensors per sample, as its data generation
+    writes). Both sides: one epoch over the same samples, 1-layer Llama draft with the target's
+    width, sdpa attention, eager forward-KL, fp32, AdamW, packed batches of --max-tokens tokens.
+    Reported: real (unpadded) tokens per second of training wall time and per CPU-second of this
+    process for each, and the ratios ours / speculators (the CPU-time ratio is the steadier one on a
+    shared machine; the wall-time ratio is the goal's).
+    """
     from eagle3_testkit.fixtures import TINY_REASONER, random_target_dir
 
-    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     target = TINY_REASONER if (TINY_REASONER / "model.safetensors").exists() else random_target_dir("llama")
@@ -143,6 +142,202 @@ def main(argv=None) -> int:
           f"(per CPU-second {summary['median_cpu_ratio']:.2f}) over {args.rounds} round(s) (goal >= 1.0)")
     write_json(args.json, summary)
     return 0
+
+
+# --- memory: 04's tensors against the planner ---------------------------------------------------------------------
+
+
+def memory(args) -> int:
+    """04's memory on CPU, part by part, against the planner's figure (planner.train_memory).
+
+        uv run python scripts/bench/train.py memory [--max-tokens 1024] [--ttt-steps 3] [--samples 64]
+
+    Builds 04's Trainer on the tiny trained target (tokenized -> 02 fp32 -> 03, as train.py speed
+    does) and measures what its tensors hold, part by part (eagle3_testkit.train_memory: weights, grads +
+    AdamW states, the target head, activations). Prints each part planned / measured; exits 1 if the
+    total is off by more than --tolerance.
+    """
+    torch.set_num_threads(1)
+    from eagle3_testkit.fixtures import tiny_reasoner_dir
+
+    target = tiny_reasoner_dir()
+    with tempfile.TemporaryDirectory(prefix="bench_train_memory-") as tmp:
+        work = Path(tmp)
+        hs, vocab = training_inputs(work, target, args.samples)
+        cfg = train_args(["--hidden-states", str(hs), "--vocab-mapping", str(vocab), "--target", str(target),
+                          "--out", str(work / "run"), "--max-tokens-per-batch", str(args.max_tokens),
+                          "--ttt-steps", str(args.ttt_steps), "--device", "cpu", "--quiet", "--threads", "1"])
+        rows, flags = compare(cfg)
+    for k, r in rows.items():
+        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
+        print(f"{k:15s} planned {r['planned'] / 2**20:9.2f} MiB   measured {r['measured'] / 2**20:9.2f} MiB   "
+              f"plan/measured {ratio}")
+    print(f"batch {flags.max_tokens_per_batch} tokens, TTT {flags.ttt_steps}, attention {flags.attn}, "
+          f"draft vocab {flags.draft_vocab_size}, storage {flags.storage}")
+    write_json(args.json, {"rows": rows, "flags": vars(flags)})
+    return 0 if abs(rows["total"]["ratio"] - 1) <= args.tolerance else 1
+
+
+# --- group-tokens: grouped forwards against one forward -----------------------------------------------------------
+
+
+def group_tokens(args) -> int:
+    """04's grouped forwards (--group-tokens) with dense attention: training tokens/s of a step's
+    forward + backward at several group sizes, as a ratio to one forward over the whole batch, all in
+    one process on the same batches.
+
+        uv run python scripts/bench/train.py group-tokens [--hidden-states /work/bench/02
+            --vocab-mapping /work/bench/03 --target assets/bench-reasoner] [--max-tokens 4096]
+            [--groups 0,256,512,1024] [--steps 4] [--rounds 3]
+
+    Without --hidden-states it builds the tiny trained target's inputs (as train.py speed does). The
+    settings take turns within each round, so the machine's drift hits them alike; each one's loss on
+    the same batches is printed beside one forward's, which it must equal up to rounding.
+    """
+    torch.set_num_threads(args.threads)
+    groups = [int(g) for g in args.groups.split(",")]
+    from eagle3_train.train.dist import setup_dist
+    from eagle3_train.train.inputs import open_inputs
+    from eagle3_train.train.loop import Trainer
+
+    with tempfile.TemporaryDirectory(prefix="bench_group_tokens-") as tmp:
+        work = Path(tmp)
+        if args.hidden_states is None:
+            from eagle3_testkit.fixtures import tiny_reasoner_dir
+
+            target = tiny_reasoner_dir()
+            hs, vocab = training_inputs(work, target, 64)
+        else:
+            hs, vocab, target = args.hidden_states, args.vocab_mapping, args.target
+        cfg = train_args(["--hidden-states", str(hs), "--vocab-mapping", str(vocab), "--target", str(target),
+                          "--output-dir", str(work / "run"), "--max-tokens-per-batch", str(args.max_tokens),
+                          "--device", "cpu", "--quiet", "--threads", str(args.threads)])
+        d = setup_dist("cpu")
+        trainer = Trainer(cfg, d, open_inputs(cfg, d.dtype), work / "run")
+        batches = [trainer.loader.step(i) for i in range(args.steps)]
+        tokens = sum(b.tokens for step in batches for b in step)
+        secs = {g: 0.0 for g in groups}
+        losses = {g: [] for g in groups}
+        trainer.forward_backward(batches[0])  # warm-up, untimed
+        for r in range(args.rounds):
+            for g in groups:
+                trainer.group_tokens = g or None
+                t0 = time.perf_counter()
+                for step in batches:
+                    loss, _ = trainer.forward_backward(step)
+                    for o in trainer.optimizers:
+                        o.zero_grad(set_to_none=True)
+                    if r == 0:
+                        losses[g].append(loss)
+                secs[g] += time.perf_counter() - t0
+    base = groups[0]
+    rows = {g: {"tokens_per_s": tokens * args.rounds / secs[g], "ratio": secs[base] / secs[g],
+                "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses[g], losses[base], strict=True))}
+            for g in groups}
+    print(f"{args.steps} steps x {args.rounds} rounds of {args.max_tokens}-token batches ({tokens:,} tokens a "
+          f"round), {args.threads} thread(s), TTT {cfg.ttt_steps}")
+    for g, r in rows.items():
+        print(f"--group-tokens {g:5d}: {r['tokens_per_s']:8.0f} tok/s   x{r['ratio']:.2f} of --group-tokens {base}   "
+              f"loss max rel diff {r['max_loss_rel_diff']:.1e}")
+    write_json(args.json, rows)
+    return 0
+
+
+# --- muon: bf16 against fp32 orthogonalisation --------------------------------------------------------------------
+
+
+def draft_matrices(width: int) -> list[torch.nn.Parameter]:
+    heads = width // 32
+    kv = max(1, heads // 4) * 32
+    shapes = [(width, width), (kv, width), (kv, width), (width, width),  # q, k, v, o
+              (3 * width, width), (3 * width, width), (width, 3 * width),  # gate, up, down
+              (width, 3 * width)]  # fc over three aux layers
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
+
+
+def time_step(params, dtype, steps: int) -> float:
+    opt = Muon(params, lr=1e-3, adjust_lr_fn="match_rms_adamw", ns_dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    return (time.perf_counter() - t0) / steps
+
+
+def muon(args) -> int:
+    """Muon's step on this machine with bf16 (torch's) against fp32 orthogonalisation (04's on CPU), on
+    the hidden matrices of a one-layer Llama draft of each width (the benchmark draft's proportions:
+    MLP 3x wide, 32-wide heads, 4 query heads per key/value head, fc 3x wide in), in one process.
+
+        uv run python scripts/bench/train.py muon --widths 256,512,1024 --threads 1
+
+    Prints seconds per step for each dtype and their ratio (the speed-up of fp32 here).
+    """
+    torch.set_num_threads(args.threads)
+    print("| width | bf16 s/step | fp32 s/step | bf16 / fp32 |\n|---|---|---|---|")
+    for w in (int(x) for x in args.widths.split(",")):
+        params = draft_matrices(w)
+        bf16 = time_step(params, torch.bfloat16, args.steps)
+        fp32 = time_step(params, torch.float32, args.steps)
+        print(f"| {w} | {bf16:.3f} | {fp32:.3f} | {bf16 / fp32:.1f} |", flush=True)
+    return 0
+
+
+COMMANDS = {"speed": speed, "memory": memory, "group-tokens": group_tokens, "muon": muon}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        """The subcommand's parser: `summary` in the list of subcommands, its function's docstring as --help."""
+        return sub.add_parser(name, help=summary, description=inspect.cleandoc(COMMANDS[name].__doc__ or ""),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    s = command("speed", "04's loop against speculators' own Trainer: tokens/s ours / theirs (goal >= 1.0)")
+    s.add_argument("--samples", type=int, default=160, help="synthetic samples (default: 160)")
+    s.add_argument("--max-tokens", type=int, default=1024, help="tokens per packed batch (default: 1024)")
+    s.add_argument("--ttt-steps", type=int, default=3, help="TTT steps, speculators' default (default: 3)")
+    s.add_argument("--rounds", type=int, default=3,
+                   help="alternating rounds of both; the median ratio is reported (default: 3)")
+    s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    s.add_argument("--workdir", type=Path, default=None, help="keep inputs here (default: a temp dir)")
+    s.add_argument("--json", type=Path, default=None, help="also write the results here")
+
+    m = command("memory", "04's memory part by part against the planner's figure (exits 1 if the total is off)")
+    m.add_argument("--max-tokens", type=int, default=1024, help="04's --max-tokens-per-batch (default: 1024)")
+    m.add_argument("--ttt-steps", type=int, default=3, help="04's --ttt-steps (default: 3)")
+    m.add_argument("--samples", type=int, default=64, help="samples to extract (default: 64)")
+    m.add_argument("--tolerance", type=float, default=0.25, help="allowed |plan - measured| / measured (default: 0.25)")
+    m.add_argument("--json", type=Path, default=None, help="also write the results here (default: no)")
+
+    g = command("group-tokens", "--group-tokens: tokens/s of grouped forwards / one forward over the whole batch")
+    g.add_argument("--hidden-states", type=Path, default=None, help="an 02 store (default: build the tiny one)")
+    g.add_argument("--vocab-mapping", type=Path, default=None, help="its 03 output (with --hidden-states)")
+    g.add_argument("--target", type=Path, default=None, help="its target (with --hidden-states)")
+    g.add_argument("--max-tokens", type=int, default=4096, help="04's --max-tokens-per-batch (default: 4096)")
+    g.add_argument("--groups", default="0,256,512,1024", help="--group-tokens values, 0 = one forward "
+                                                              "(default: 0,256,512,1024)")
+    g.add_argument("--steps", type=int, default=4, help="steps timed per setting and round (default: 4)")
+    g.add_argument("--rounds", type=int, default=3, help="rounds (default: 3)")
+    g.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1)")
+    g.add_argument("--json", type=Path, default=None, help="also write the results here (default: no)")
+
+    u = command("muon", "Muon's step with bf16 against fp32 orthogonalisation, per draft width")
+    u.add_argument("--widths", default="256,512,1024", help="draft widths (default: 256,512,1024)")
+    u.add_argument("--steps", type=int, default=2, help="timed steps per dtype after one warm-up (default: 2)")
+    u.add_argument("--threads", type=int, default=1, help="(default: 1)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return COMMANDS[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -280,21 +280,24 @@ class ChatClient:
 
     async def preflight(self) -> list[str]:
         """Check each endpoint serves `model`; returns warnings, raises if none is usable."""
-        warnings, usable = [], 0
+        warnings, usable, answered = [], 0, False
         for ep in self.endpoints:
             try:
                 async with asyncio.timeout(min(self.timeout, 30)):
                     page = await ep.client.models.list()
                 ids = [m.id for m in page.data]
             except Exception as e:
-                warnings.append(f"{ep.url}: {_preflight_problem(e)}")
+                problem, reached = _preflight_problem(e, ep.url)
+                answered |= reached
+                warnings.append(problem if reached else f"{ep.url}: {problem}")
                 continue
             if self.model not in ids:
                 raise PipelineError(f"{ep.url} does not serve model {self.model!r} (it serves: "
                                     f"{', '.join(ids) or 'nothing'}); pass --model with one of those")
             usable += 1
         if not usable:
-            raise PipelineError("no endpoint is reachable: " + "; ".join(warnings))
+            head = "no endpoint is usable" if answered else "no endpoint is reachable"
+            raise PipelineError(f"{head}: " + "; ".join(warnings))
         return warnings
 
 
@@ -325,13 +328,24 @@ def classify(exc: BaseException, timeout: float) -> dict:
     raise exc
 
 
-def _preflight_problem(exc: Exception) -> str:
-    """Why GET /models failed, in words: unreachable, an HTTP error, or an answer that is not the
-    OpenAI schema (a proxy's HTML page: the SDK hands back a str and fails inside its pager)."""
+def _preflight_problem(exc: Exception, url: str) -> tuple[str, bool]:
+    """Why GET <url>/models failed, in words, and whether the server answered at all: unreachable,
+    an HTTP status (404: the base URL's path is wrong, usually a missing /v1), or an answer that is
+    not the OpenAI schema (a proxy's HTML page: the SDK hands back a str and fails inside its pager)."""
     try:
-        return f"not reachable ({classify(exc, 30)['message']})"
+        c = classify(exc, 30)
     except Exception:  # noqa: BLE001 - anything else is an answer we cannot read
-        return f"GET /models did not answer in the OpenAI schema ({type(exc).__name__}: {_one_line(exc, 120)})"
+        return (f"{url}: GET /models did not answer in the OpenAI schema "
+                f"({type(exc).__name__}: {_one_line(exc, 120)})", True)
+    status = c["status"]
+    if status is None:
+        return f"not reachable ({c['message']})", False
+    where = f"the server answered {status} at {url}/models"
+    if status == 404:
+        return f"{where} (wrong path? the base URL must end in /v1, e.g. http://host:8000/v1)", True
+    if status in (401, 403):
+        return f"{where} ({_one_line(c['message'], 160)}): check --api-key", True
+    return f"{where} ({_one_line(c['message'], 160)})", True
 
 
 def _one_line(s: str, limit: int = 300) -> str:

@@ -179,6 +179,23 @@ class StageConfig(Settings):
         """Raise PipelineError (one line naming the flag and the value) for a bad setting."""
 
 
+def join_dash_values(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """`--layers -1,2,3` -> `--layers=-1,2,3` for the given flags: argparse takes a value that starts
+    with '-' and a digit for an option and says only "expected one argument"; joined, the value
+    reaches the config's own check and its one-line message."""
+    out, i = [], 0
+    argv = list(argv)
+    while i < len(argv):
+        arg = argv[i]
+        if arg in flags and i + 1 < len(argv) and argv[i + 1][:1] == "-" and argv[i + 1][1:2].isdigit():
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def require(ok: bool, message: str) -> None:
     """validate()'s one-liner: raise PipelineError(message) unless ok."""
     if not ok:

@@ -194,10 +194,31 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
     return i, n
 
 
+def repeated_id(seen: dict[str, tuple[str, str]], p: Prompt, where: str, *, what: str,
+                identical_ok: bool = True) -> bool:
+    """One id, one conversation (01a and 01b). Records where `p`'s id was first seen in `seen`;
+    returns True when the id was seen before with the same conversation and `identical_ok` (a
+    repeat the caller skips). Any other second row with that id is one error line naming the id
+    and both rows: which of the two is meant cannot be guessed."""
+    digest = content_id(p.messages)
+    first = seen.get(p.id)
+    if first is None:
+        seen[p.id] = (where, digest)
+        return False
+    first_where, first_digest = first
+    if identical_ok and first_digest == digest:
+        return True
+    differing = " with different conversations" if first_digest != digest else ""
+    raise PipelineError(f"{where}: id {p.id!r} appears twice{differing} (first at {first_where}); one {what} "
+                        "per id: give each row its own id (or drop one)")
+
+
 def select(rows: Iterable[tuple[str, object]], *, limit: int | None = None,
            shard: tuple[int, int] | None = None, id_key: str | None = None,
            skip_invalid: bool = False) -> tuple[list[Prompt], dict]:
-    """Rows -> prompts: validated, deduplicated by id (first wins), sharded, limited."""
+    """Rows -> prompts: validated, deduplicated by id (a row repeating an earlier one is skipped;
+    one with the same id but another conversation is refused, or counted and skipped with
+    skip_invalid), sharded, limited."""
     out, seen = [], {}
     counts = {"rows_read": 0, "invalid": 0, "duplicates": 0, "duplicates_differing": 0,
               "other_shards": 0}
@@ -212,11 +233,16 @@ def select(rows: Iterable[tuple[str, object]], *, limit: int | None = None,
                 counts["invalid"] += 1
                 continue
             raise PipelineError(f"{where}: {e}") from None
-        if p.id in seen:
-            counts["duplicates"] += 1
-            counts["duplicates_differing"] += seen[p.id] != p.messages
+        try:
+            if repeated_id(seen, p, where, what="prompt"):
+                counts["duplicates"] += 1  # the same conversation again: asked once
+                continue
+        except PipelineError:
+            if not skip_invalid:
+                raise
+            counts["duplicates"] += 1  # --skip-invalid: the first row of the id wins, counted
+            counts["duplicates_differing"] += 1
             continue
-        seen[p.id] = p.messages
         if not in_shard(p.id, shard):
             counts["other_shards"] += 1
             continue
@@ -227,9 +253,10 @@ def select(rows: Iterable[tuple[str, object]], *, limit: int | None = None,
 
 def load_prompts(source: str, *, split: str = "train", config: str | None = None,
                  revision: str | None = None, limit: int | None = None, shard: tuple[int, int] | None = None,
-                 id_key: str | None = None, skip_invalid: bool = False) -> PromptSet:
+                 id_key: str | None = None, skip_invalid: bool = False, flag: str = "--input") -> PromptSet:
     """A local .jsonl/.json file, a saved dataset directory, or a hub dataset name (only then is
-    the hub touched)."""
+    the hub touched). `flag` is the option that named `source`, for the error lines (01b's
+    --input, 05's --prompts)."""
     if limit is not None and limit < 1:
         raise PipelineError(f"--limit must be >= 1, not {limit}")
     path = Path(source)
@@ -246,8 +273,8 @@ def load_prompts(source: str, *, split: str = "train", config: str | None = None
                            and path.suffix not in (".json", ".jsonl", ".ndjson")):
         desc, rows = _hf_rows(source, split, config, revision)
     else:
-        raise PipelineError(f"--input {source!r}: no such file, and not a dataset name (owner/name)")
+        raise PipelineError(f"{flag} {source!r}: no such file, and not a dataset name (owner/name)")
     prompts, counts = select(rows, limit=limit, shard=shard, id_key=id_key, skip_invalid=skip_invalid)
     if not prompts:
-        raise PipelineError(f"--input {source}: no prompts selected ({counts})")
+        raise PipelineError(f"{flag} {source}: no prompts selected ({counts})")
     return PromptSet(prompts, desc, counts)

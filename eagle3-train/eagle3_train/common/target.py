@@ -7,6 +7,8 @@ the language model's config in `text_config`.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.manifest import describe_target, text_config
 
@@ -38,3 +40,23 @@ def target_info(name_or_path: str) -> tuple[dict, object]:
     """(describe_target for manifests, the language model's config)."""
     config = load_target_config(name_or_path)
     return describe_target(config, name_or_path), text_config(config)
+
+
+def local_model_dir(name_or_path: str | Path, *, what: str = "--model") -> Path:
+    """The folder holding a checkpoint's files: the path itself, or a hub id's complete copy in the
+    local Hugging Face cache. Stages that read weight files directly (02's top-k head, 04's and 05's
+    target head) need one; nothing is downloaded here, a 1T checkpoint is fetched on purpose."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    text = str(name_or_path)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise PipelineError(f"{what} {text}: no such folder (a local checkpoint folder or a hub id)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(text, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        raise PipelineError(f"{what} {text}: a hub id with no local copy; download it first "
+                            f"(`hf download {text}`) or pass its local folder") from None

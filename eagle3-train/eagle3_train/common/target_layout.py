@@ -35,6 +35,11 @@ def check_wrapper_config(path: str | Path) -> None:
                             "the language model's config (layers, hidden size, vocab) must be nested there")
 
 
+def is_wrapper(path: str | Path) -> bool:
+    """Whether the checkpoint is a multimodal wrapper around its language model (Kimi-K2.5)."""
+    return (raw_config(path) or {}).get("model_type") in WRAPPER_TEXT_PREFIX
+
+
 def load_config(path: str | Path):
     from transformers import AutoConfig
 
@@ -69,6 +74,31 @@ def read_weights(directory: str | Path) -> dict:
     for f in files:
         out.update(load_file(str(f)))
     return out
+
+
+def quantization(path: str | Path) -> str | None:
+    """The checkpoint's quantisation method (`quantization_config.quant_method`, in the wrapper's
+    config or its text_config), or None for plain weights."""
+    raw = raw_config(path) or {}
+    for cfg in (raw, raw.get("text_config") or {}):
+        q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+        if isinstance(q, dict):
+            return str(q.get("quant_method") or q.get("format") or "unknown")
+    return None
+
+
+# Checkpoints that transformers' loader cannot run as stored: Kimi-K2.5's INT4 experts are packed
+# by compressed-tensors for vLLM's kernels; transformers would need them decompressed to bf16
+# (~2 TB for a 1T-parameter model), and the hub's remote model class no longer instantiates.
+HF_UNLOADABLE = ("compressed-tensors",)
+
+
+def check_hf_loadable(path: str | Path) -> None:
+    """02 --backend hf refuses a checkpoint only vLLM can serve, in one line naming the way out."""
+    quant = quantization(path)
+    if quant in HF_UNLOADABLE:
+        raise PipelineError(f"--backend hf cannot load {path}: its weights are {quant}-quantised (INT4 experts), "
+                            f"which only vLLM runs; use --backend vllm")
 
 
 def check_vocab(target_vocab: int, tokenizer_len: int, target: str | Path) -> None:

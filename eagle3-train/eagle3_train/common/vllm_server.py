@@ -23,14 +23,51 @@ from pathlib import Path
 from eagle3_train.common.errors import PipelineError
 
 VLLM_VENV = ".venv-vllm"
+# How long a launched server may take to answer /v1/models: a fixed part (Python and vLLM start,
+# torch.compile, CUDA-graph capture) plus reading the weights cold, at 0.5 GB/s (the slow end of a
+# local NVMe or RAID). Kimi-K2.5 INT4 (~554 GB over 8 GPUs) gets 600 + 1108 s, about 28 minutes.
+STARTUP_BASE_S = 600.0
+STARTUP_S_PER_GB = 2.0
+STARTUP_UNKNOWN_S = 3600.0  # a hub id whose files are not on this disk: its size is not known here
+STARTUP_HELP = (f"seconds a launched vLLM may take to start (default: {STARTUP_BASE_S:.0f} + "
+                f"{STARTUP_S_PER_GB:g} per GB of the checkpoint's weights; {STARTUP_UNKNOWN_S:.0f} when their size "
+                f"is not known here)")
+
+
+def weights_gb(model: str | Path) -> float | None:
+    """The checkpoint's weight files in GB, or None when `model` is not a folder here (a hub id)."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return None
+    return sum(p.stat().st_size for pattern in ("*.safetensors", "*.bin", "*.pt")
+               for p in folder.glob(pattern)) / 1e9
+
+
+def default_startup_timeout(model: str | Path) -> float:
+    gb = weights_gb(model)
+    return STARTUP_UNKNOWN_S if gb is None else STARTUP_BASE_S + STARTUP_S_PER_GB * gb
+
+
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the NVIDIA driver sees
+
+
+def has_nvidia_gpu() -> bool:
+    try:
+        return any(NVIDIA_GPUS.iterdir())
+    except OSError:
+        return False
 
 
 def vllm_python() -> str:
-    """The interpreter that runs vLLM. Looked up from the working directory, not from where this
-    package lives, so an installed wheel finds the checkout's environment too."""
+    """The interpreter that runs vLLM: `$EAGLE3_VLLM_PYTHON`; on a machine with an NVIDIA GPU this
+    process's own (the GPU vLLM that `uv sync --extra vllm` installs); else the CPU build's
+    `.venv-vllm` (scripts/setup_vllm_cpu.sh), looked up from the working directory, not from where
+    this package lives, so an installed wheel finds the checkout's environment too."""
     env = os.environ.get("EAGLE3_VLLM_PYTHON")
     if env:
         return env
+    if has_nvidia_gpu():  # a .venv-vllm here is the CPU build: never serve a GPU box's model with it
+        return sys.executable
     for root in (Path.cwd(), *Path.cwd().parents):
         local = root / VLLM_VENV / "bin" / "python"
         if local.exists():
@@ -108,14 +145,14 @@ class VllmServer:
     """`with VllmServer(model) as srv: srv.base_url` — a real server for the duration of the block."""
 
     def __init__(self, model: str | Path, *, port: int | None = None, log_path: Path | None = None,
-                 startup_timeout: float = 600, env: dict | None = None, **cmd_kwargs):
+                 startup_timeout: float | None = None, env: dict | None = None, **cmd_kwargs):
         self.model = str(model)
         self.port = port or free_port()
         cpu = cmd_kwargs.pop("cpu", None)
         self.cpu = on_cpu() if cpu is None else cpu
         self.cmd = server_command(self.model, self.port, cpu=self.cpu, **cmd_kwargs)
         self.log_path = Path(log_path) if log_path else Path(f"/tmp/vllm-{self.port}.log")
-        self.startup_timeout = startup_timeout
+        self.startup_timeout = default_startup_timeout(model) if startup_timeout is None else startup_timeout
         self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                     "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), **(env or {})}
         self.proc: subprocess.Popen | None = None
@@ -148,7 +185,8 @@ class VllmServer:
                 return self
             time.sleep(1.0)
         self.stop()
-        raise PipelineError(f"vLLM did not become ready in {self.startup_timeout:.0f}s (log: {self.log_path})")
+        raise PipelineError(f"vLLM did not become ready in {self.startup_timeout:.0f}s (raise --startup-timeout if it "
+                            f"was still loading); last log line: {self.last_log_line()!r} (log: {self.log_path})")
 
     def ready(self) -> bool:
         try:

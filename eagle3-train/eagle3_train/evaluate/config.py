@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from eagle3_train.common.config import EVALUATE, StageConfig, require, setting
+from eagle3_train.common.vllm_server import STARTUP_HELP
 
 ARMS = ("eagle3", "none", "ngram")  # 05's online arms: the draft, no speculation, prompt lookup
 OFFLINE_DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -63,7 +64,7 @@ class EvalConfig(StageConfig):
     max_model_len: int | None = setting(None, help="vLLM --max-model-len; refused when the longest prompt + "
                                                    "--max-tokens does not fit (default: exactly that)")
     reasoning_parser: str = setting("kimi_k2", help="vLLM --reasoning-parser, 'none' to disable")
-    startup_timeout: float = setting(900, help="seconds a server may take to start", resume=True)
+    startup_timeout: float | None = setting(None, help=STARTUP_HELP, resume=True)
     server_arg: list[str] = setting(default_factory=list, help="extra vLLM argument (repeatable)")
 
     def __post_init__(self):
@@ -75,6 +76,8 @@ class EvalConfig(StageConfig):
     def validate(self) -> None:
         require(bool(self.store or self.prompts),
                 "nothing to evaluate: pass --store (offline) and/or --prompts (online)")
+        require(self.startup_timeout is None or self.startup_timeout > 0,
+                f"--startup-timeout must be positive, not {self.startup_timeout}")
         for name in ("max_offline_samples", "offline_tokens_per_batch", "num_prompts", "max_tokens"):
             value = getattr(self, name)
             require(value >= 1, f"--{name.replace('_', '-')} must be at least 1, not {value}")

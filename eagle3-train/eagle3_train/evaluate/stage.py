@@ -105,7 +105,7 @@ class Evaluation:
                 "ids_sha256": json_sha256(self.ids), "selection": self.selection,
                 "tokens_per_batch": config.offline_tokens_per_batch}
         if config.prompts:
-            prompt_set = load_prompts(str(config.prompts), limit=config.num_prompts)
+            prompt_set = load_prompts(str(config.prompts), limit=config.num_prompts, flag="--prompts")
             self.prompts = prompt_set.prompts
             self.max_model_len = config.model_len(longest_prompt(tokenizer, self.prompts))
             self.identity["online"] = {

@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from eagle3_train.common.config import join_dash_values
 from eagle3_train.common.errors import run_main
 from eagle3_train.extract.config import BACKENDS, DTYPES, STORAGES, ExtractConfig
 
 
 def parse_args(argv=None) -> ExtractConfig:
     C = ExtractConfig
+    argv = join_dash_values(sys.argv[1:] if argv is None else argv, ("--layers",))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     io = p.add_argument_group("input / output")
     io.add_argument("--input", "--data", **C.arg("input"))
@@ -57,8 +59,10 @@ def parse_args(argv=None) -> ExtractConfig:
     vl.add_argument("--hidden-states-dir", **C.arg("hidden_states_dir"))
     vl.add_argument("--concurrency", type=int, **C.arg("concurrency"))
     vl.add_argument("--tensor-parallel-size", type=int, **C.arg("tensor_parallel_size"))
+    vl.add_argument("--max-num-batched-tokens", type=int, **C.arg("max_num_batched_tokens"))
     vl.add_argument("--max-model-len", type=int, **C.arg("max_model_len"))
     vl.add_argument("--request-timeout", type=float, **C.arg("request_timeout"))
+    vl.add_argument("--startup-timeout", type=float, **C.arg("startup_timeout"))
     vl.add_argument("--served-model-name", **C.arg("served_model_name"))
     vl.add_argument("--vllm-args", **C.arg("vllm_args"))
 

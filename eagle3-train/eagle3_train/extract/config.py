@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from eagle3_train.common.config import EXTRACT, StageConfig, require, setting
 from eagle3_train.common.formats import STORAGES
+from eagle3_train.common.vllm_server import STARTUP_HELP
 
 BACKENDS = ("hf", "vllm")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -40,9 +41,9 @@ class ExtractConfig(StageConfig):
     dtype: str = setting("auto", resume=True,
                          help="compute dtype of the hf target (default: auto = bfloat16 on GPU, float32 on CPU)")
     device: str = setting("auto", resume=True,
-                          help="the hf target's device, or the vllm backend's top-k head's (--storage fp8-topk; "
-                               "e.g. cpu or a GPU vLLM leaves free): auto, cpu, cuda, cuda:1 ... "
-                               "(default: auto = cuda:LOCAL_RANK if any)")
+                          help="the hf target's device, or the vllm backend's top-k head's (--storage fp8-topk): "
+                               "auto, cpu, cuda, cuda:1 ... (default: auto = cuda:LOCAL_RANK for hf; for the "
+                               "vllm backend's head the GPU with the most free memory if it fits there, else cpu)")
     device_map: str | None = setting(None, resume=True,
                                      help="hf device_map for a target larger than one GPU, e.g. auto (default: none)")
 
@@ -72,9 +73,13 @@ class ExtractConfig(StageConfig):
         "where the server's connector writes per-request files (default: OUTPUT/.vllm-requests)"))
     concurrency: int = setting(32, resume=True, help="requests in flight")
     tensor_parallel_size: int = setting(1, resume=True, help="for the printed/launched server")
+    max_num_batched_tokens: int = setting(8192, resume=True,
+                                          help="for the printed/launched server: tokens per scheduler step; a "
+                                               "longer sample is prefilled in chunks")
     max_model_len: int | None = setting(None, resume=True,
                                         help="for the printed/launched server (default: longest sample + 1)")
     request_timeout: float = setting(600.0, resume=True, help="seconds per request (default: 600)")
+    startup_timeout: float | None = setting(None, resume=True, help=f"with --launch-server: {STARTUP_HELP}")
     served_model_name: str | None = setting(None, resume=True,
                                             help="model name the server answers to (default: --model)")
     vllm_args: str = setting("", resume=True, help=(
@@ -93,8 +98,11 @@ class ExtractConfig(StageConfig):
         require(self.storage in STORAGES, f"--storage {self.storage!r}: choose one of {', '.join(STORAGES)}")
         require(self.dtype in DTYPES, f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
         require(self.topk >= 1, f"--topk must be at least 1, not {self.topk}")
+        require(self.startup_timeout is None or self.startup_timeout > 0,
+                f"--startup-timeout must be positive, not {self.startup_timeout}")
         for flag, value in (("--shard-mb", self.shard_mb), ("--batch-tokens", self.batch_tokens),
-                            ("--max-batch-size", self.max_batch_size), ("--concurrency", self.concurrency)):
+                            ("--max-batch-size", self.max_batch_size), ("--concurrency", self.concurrency),
+                            ("--max-num-batched-tokens", self.max_num_batched_tokens)):
             require(value > 0, f"{flag} must be positive, not {value}")
         require(self.progress_every >= 0, f"--progress-every must not be negative, not {self.progress_every}")
         require(not (self.validate_only and self.repair), "--validate and --repair exclude each other")

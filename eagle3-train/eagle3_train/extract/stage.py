@@ -33,7 +33,7 @@ from eagle3_train.common.manifest import MANIFEST, describe_tokenizer, write_man
 from eagle3_train.common.progress import Progress
 from eagle3_train.common.store import ByteDigest, DirLock, clean_temp_files
 from eagle3_train.common.target import target_info
-from eagle3_train.common.target_layout import check_vocab
+from eagle3_train.common.target_layout import check_hf_loadable, check_vocab
 from eagle3_train.tokenize.dataset import TrainingSet
 
 DISK_MARGIN = 1.02  # headers, index, plan: a few per cent on top of the tensor bytes
@@ -249,6 +249,8 @@ def run(cfg, *, backend_factory=None) -> int:
 def _run_locked(cfg, out: Path, rank: int, world: int, backend_factory, *, overwrite: bool) -> int:
     inp = InputSet.open(cfg.input)
     target, tcfg = target_info(cfg.model)
+    if cfg.backend == "hf" and not cfg.validate_only:
+        check_hf_loadable(cfg.model)
     tokenizer = check_tokenizer(cfg, inp)
     check_vocab(tcfg.vocab_size, tokenizer["vocab_size"], cfg.model)
     N, H, V = int(tcfg.num_hidden_layers), int(tcfg.hidden_size), int(tcfg.vocab_size)

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.target_layout import is_wrapper
 
 CONNECTOR = "ExampleHiddenStatesConnector"
 
@@ -63,23 +64,36 @@ def kv_transfer_config(hidden_states_dir: Path) -> dict:
             "kv_connector_extra_config": {"shared_storage_path": str(Path(hidden_states_dir).resolve())}}
 
 
-def server_args(layer_ids: Sequence[int], hidden_states_dir: Path, *, tensor_parallel_size: int = 1) -> list[str]:
-    """The flags that make a vLLM server an extractor (beyond model/port/dtype/max length)."""
+def server_args(layer_ids: Sequence[int], hidden_states_dir: Path, *, tensor_parallel_size: int = 1,
+                max_num_batched_tokens: int = 8192, max_num_seqs: int | None = None,
+                model: str | Path | None = None) -> list[str]:
+    """The flags that make a vLLM server an extractor (beyond model/port/dtype/max length).
+    The batching flags are explicit, not vLLM's defaults: a 10K-token reasoning sample is longer
+    than one scheduler step's token budget, so it is prefilled in chunks (chunked prefill), and the
+    connector must see every chunk (tests/test_extract_vllm.py runs samples longer than the budget)."""
     # Prefix caching off: every token's states then come from this request's own forward pass.
-    return ["--speculative-config", json.dumps(speculative_config(layer_ids)),
+    args = ["--speculative-config", json.dumps(speculative_config(layer_ids)),
             "--kv-transfer-config", json.dumps(kv_transfer_config(hidden_states_dir)),
             "--tensor-parallel-size", str(tensor_parallel_size), "--no-enable-prefix-caching",
+            "--enable-chunked-prefill", "--max-num-batched-tokens", str(max_num_batched_tokens),
             "--trust-remote-code"]
+    if max_num_seqs:  # no more than the stage keeps in flight
+        args += ["--max-num-seqs", str(max_num_seqs)]
+    if model is not None and is_wrapper(model):  # the vision tower is never used: not loaded, not profiled
+        args += ["--language-model-only"]
+    return args
 
 
 def serve_command(model: str, layer_ids: Sequence[int], hidden_states_dir: Path, *, max_model_len: int,
-                  tensor_parallel_size: int = 1, port: int = 8000, served_name: str | None = None) -> str:
+                  tensor_parallel_size: int = 1, port: int = 8000, served_name: str | None = None,
+                  max_num_batched_tokens: int = 8192, max_num_seqs: int | None = None) -> str:
     """The exact `vllm serve` line a user runs on the GPU box."""
     cmd = ["vllm", "serve", model, "--port", str(port)]
     if served_name:
         cmd += ["--served-model-name", served_name]
     cmd += ["--max-model-len", str(max_model_len)]
-    cmd += server_args(layer_ids, hidden_states_dir, tensor_parallel_size=tensor_parallel_size)
+    cmd += server_args(layer_ids, hidden_states_dir, tensor_parallel_size=tensor_parallel_size,
+                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, model=model)
     return " ".join(shlex.quote(c) for c in cmd)
 
 
@@ -138,6 +152,32 @@ def remove_request_file(path: str | Path) -> None:
 
 
 # ----------------------------------------------------------------------------- top-k head
+
+HEAD_WORKSPACE = 2 << 30  # logits of a chunk of rows over the full vocabulary, and the allocator's slack
+
+
+def head_bytes(cfg) -> int:
+    """The top-k head's weights on its device: lm_head (vocab x hidden) + norm, in bf16."""
+    return 2 * int(cfg.vocab_size) * int(cfg.hidden_size) + 2 * int(cfg.hidden_size)
+
+
+def head_device(device: str, need: int, free: list[int] | None = None) -> str:
+    """Where 02's top-k head runs. An explicit --device is kept. `auto` is chosen on purpose: the
+    vLLM server this stage talks to takes --gpu-memory-utilization (0.9) of every GPU it uses, so
+    the GPU with the most free memory, if the head and its workspace fit there, else the CPU.
+    `free`: bytes free per GPU (read from CUDA when not given)."""
+    if device != "auto":
+        return device
+    if free is None:
+        import torch
+
+        free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())] \
+            if torch.cuda.is_available() else []
+    best = max(range(len(free)), key=lambda i: free[i], default=None)
+    if best is not None and free[best] >= need + HEAD_WORKSPACE:
+        return f"cuda:{best}"
+    return "cpu"
+
 
 class CheckpointHead:
     """The target's final norm + lm_head, read from its checkpoint without loading the model,
@@ -219,9 +259,12 @@ class VllmBackend:
         max_len = args.max_model_len or (max_len or 4096) + 1
         self.head = None
         if args.storage == "fp8-topk":  # before the server starts: a bad checkpoint fails at once
-            from eagle3_train.extract.hf import resolve_device
+            from eagle3_train.common.target import local_model_dir
 
-            self.head = CheckpointHead(args.model, cfg, resolve_device(args.device))
+            model_dir = local_model_dir(args.model)
+            device = head_device(args.device, head_bytes(cfg))
+            print(f"02: the top-k head (final norm + lm_head) runs on {device}", file=sys.stderr)
+            self.head = CheckpointHead(model_dir, cfg, device)
         self.server = None
         if args.server_url:
             url = args.server_url
@@ -230,17 +273,21 @@ class VllmBackend:
 
             self.server = VllmServer(args.model, served_name=args.served_model_name, reasoning_parser=None,
                                      max_model_len=max_len, log_path=out / "vllm-server.log",
+                                     startup_timeout=args.startup_timeout,
                                      dtype=None if args.dtype == "auto" else args.dtype,
                                      extra_args=server_args(self.layer_ids, self.hidden_dir,
-                                                            tensor_parallel_size=args.tensor_parallel_size)
+                                                            tensor_parallel_size=args.tensor_parallel_size,
+                                                            max_num_batched_tokens=args.max_num_batched_tokens,
+                                                            max_num_seqs=args.concurrency, model=args.model)
                                      + shlex.split(args.vllm_args or ""))
             print(f"starting vLLM: {self.server.command_line()}", file=sys.stderr)
             self.server.start()
             url = self.server.base_url
         else:
             cmd = serve_command(args.model, self.layer_ids, self.hidden_dir, max_model_len=max_len,
-                                tensor_parallel_size=args.tensor_parallel_size,
-                                served_name=args.served_model_name) + (f" {args.vllm_args}" if args.vllm_args else "")
+                                tensor_parallel_size=args.tensor_parallel_size, served_name=args.served_model_name,
+                                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.concurrency)
+            cmd += f" {args.vllm_args}" if args.vllm_args else ""
             print(f"start the extraction server (on the GPU box) with:\n\n  {cmd}\n")
             raise PipelineError("the vllm backend needs a server: start it with the command printed above, "
                                 "then rerun with --server-url http://127.0.0.1:8000/v1 (or pass --launch-server)")

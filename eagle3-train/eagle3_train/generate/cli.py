@@ -5,7 +5,8 @@
 
 Rerunning the same command resumes (answered ids are skipped, failed ones retried). Exit codes:
 0 all answered; 1 some ids still failed after retries (see errors.jsonl; rerun to retry them);
-2 bad input or configuration; 130/143 stopped by Ctrl-C / SIGTERM (rerun to resume).
+2 bad input or configuration, or every request rejected for a reason no retry fixes (e.g. 400);
+130/143 stopped by Ctrl-C / SIGTERM (rerun to resume). A run with no answer is never complete.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,18 @@ class GenerateConfig(TokenizeSettings, StageConfig):
         require(self.concurrency >= 1, f"--concurrency must be positive, not {self.concurrency}")
         require(self.max_retries >= 0, f"--max-retries must not be negative, not {self.max_retries}")
         require(self.timeout > 0, f"--timeout must be positive, not {self.timeout}")
+        require(self.connect_timeout > 0, f"--connect-timeout must be positive, not {self.connect_timeout}")
+        require(self.backoff_base >= 0, f"--backoff-base must not be negative, not {self.backoff_base}")
+        require(self.backoff_max >= 0, f"--backoff-max must not be negative, not {self.backoff_max}")
+        require(self.abort_after >= 0, f"--abort-after must not be negative (0 = never), not {self.abort_after}")
+        require(self.limit is None or self.limit >= 1, f"--limit must be >= 1, not {self.limit}")
+        # Sampling values the server would reject on every request (400) or silently misread.
+        require(self.max_tokens is None or self.max_tokens >= 1,
+                f"--max-tokens must be at least 1, not {self.max_tokens}")
+        require(self.temperature is None or (math.isfinite(self.temperature) and self.temperature >= 0),
+                f"--temperature must not be negative (0 = greedy), not {self.temperature}")
+        require(self.top_p is None or (math.isfinite(self.top_p) and 0 < self.top_p <= 1),
+                f"--top-p must lie in (0, 1], not {self.top_p}")
         require(self.transport in TRANSPORTS, f"--transport {self.transport!r}: choose aiohttp or httpx")
         require(isinstance(self.extra_body, dict), "--extra-body must be a JSON object")
         require(self.progress_every >= 0, f"--progress-every must not be negative, not {self.progress_every}")

@@ -100,6 +100,31 @@ def committed_ids(path: Path) -> list[str]:
     return ids
 
 
+def no_retry_helps(errors: list[dict]) -> str | None:
+    """Why requests failed when no retry can fix it, in words (e.g. "rejected as a bad request (400:
+    ...): fix the settings or the prompts"); None if any of `errors` (errors.jsonl records) is worth
+    retrying: a timeout, a connection error, 408/409/429, 5xx, a garbled body (client.classify)."""
+    if not errors or any(e.get("retryable", True) for e in errors):
+        return None
+    kind = Counter(e.get("error_type") for e in errors).most_common(1)[0][0]
+    e = next(e for e in errors if e.get("error_type") == kind)
+    status, msg = e.get("status"), _short(e.get("message"))
+    if status in (400, 413, 422):
+        return f"rejected as a bad request ({status}: {msg}): fix the settings or the prompts"
+    if status in (401, 403):
+        return f"refused by the server ({status}: {msg}): check --api-key"
+    if status == 404:
+        return f"answered 404 ({msg}): check --model and --base-url"
+    if isinstance(status, int) and status != 200:
+        return f"rejected with HTTP {status} ({msg})"
+    return f"failed with {kind} ({msg})"
+
+
+def _short(text, limit: int = 200) -> str:
+    text = " ".join(str(text or "").split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 # ----------------------------------------------------------------------------- the run
 
 class _Abort(Exception):
@@ -116,6 +141,7 @@ class RunResult:
     new_errors: int
     tokens: int
     text_derived: int = 0  # answers in the file whose ids were re-wrapped from text
+    unretryable: str | None = None  # why the ids still failed, when no retry can fix it (no_retry_helps)
 
 
 async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progress, text_fmt=None) -> dict:
@@ -129,7 +155,7 @@ async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progre
     stats = {"answered": 0, "failed": 0, "tokens": 0, "interrupted": None, "finish": Counter(),
              "error_types": Counter(), "text_derived": 0}
     written: set[str] = set()
-    consecutive = [0]
+    streak: list[dict] = []  # the errors of the failures in a row so far
     it = iter(prompts)
     raw = JsonlWriter(out_dir / RAW, fsync=False)
     err = JsonlWriter(out_dir / ERRORS, fsync=False)
@@ -155,17 +181,21 @@ async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progre
                 stats["answered"] += 1
                 stats["tokens"] += len(a["token_ids"])
                 stats["finish"][a["finish_reason"]] += 1
-                consecutive[0] = 0
+                streak.clear()
                 progress.update(1, tokens=len(a["token_ids"]))
             else:
                 e = out.error
                 err.write({"id": p.id, **e, "created": _now()})
                 stats["failed"] += 1
                 stats["error_types"][e["error_type"]] += 1
-                consecutive[0] += 1
+                streak.append(e)
                 progress.update(1, errors=1, last_error=e["error_type"])
-                if args.abort_after and consecutive[0] >= args.abort_after:
-                    raise _Abort(f"{consecutive[0]} requests in a row failed after retries (last: "
+                if args.abort_after and len(streak) >= args.abort_after:
+                    cause = no_retry_helps(streak)
+                    if cause:
+                        raise _Abort(f"{len(streak)} requests in a row were {cause}; a rerun would fail the "
+                                     "same way (the answers so far are kept)")
+                    raise _Abort(f"{len(streak)} requests in a row failed after retries (last: "
                                  f"{e['error_type']}: {e['message']}); the server looks down or "
                                  "misconfigured; fix it and rerun the same command to resume")
 
@@ -265,17 +295,19 @@ def run_generation(args) -> RunResult:
         failed = compact_errors(err_path, committed)
         requested = set(ps.ids)
         answered = len(requested & committed)
-        still_failed = len(requested & set(failed))
+        still_failed = [failed[i] for i in requested if i in failed]
         text_derived = None
-        if stats["interrupted"] is None:
-            text_derived = _write_manifest(out_dir, args, ps, answered, still_failed, stats)
-        return RunResult(len(ps.ids), answered, still_failed, stats["interrupted"], stats["answered"],
-                         stats["failed"], stats["tokens"], text_derived or 0)
+        # No answer at all is not a data set: the directory stays incomplete (run() says why).
+        if stats["interrupted"] is None and answered:
+            text_derived = _write_manifest(out_dir, args, ps, answered, len(still_failed), stats)
+        return RunResult(len(ps.ids), answered, len(still_failed), stats["interrupted"], stats["answered"],
+                         stats["failed"], stats["tokens"], text_derived or 0, no_retry_helps(still_failed))
 
 
 def run(cfg) -> int:
     """01b end to end: generate, then (with --tokenize) tokenize; returns the exit code (0 all
-    answered, 1 some ids still failed, 130/143 stopped by a signal)."""
+    answered, 1 some ids still failed, 130/143 stopped by a signal). No answer at all leaves the
+    output incomplete: exit 1, or a PipelineError (exit 2) when no retry could fix the cause."""
     res = run_generation(cfg)
     if res.interrupted:
         print(f"01b stopped by {res.interrupted}: {res.answered}/{res.requested} answered so far; "
@@ -283,6 +315,14 @@ def run(cfg) -> int:
         return 143 if res.interrupted == "SIGTERM" else 130
     print(f"01b: {res.answered}/{res.requested} answered ({res.new_answers} this run, "
           f"{res.tokens} tokens), {res.failed} failed -> {cfg.output_dir / RAW}")
+    if not res.answered:  # nothing to tokenize; the output was not marked complete
+        if res.unretryable:
+            raise PipelineError(f"every request was {res.unretryable}; a rerun would fail the same way "
+                                f"(no answers, so {cfg.output_dir} is not complete; each id's reason is in "
+                                f"{ERRORS})")
+        print(f"01b: no request was answered ({res.failed} failed after retries; reasons in {ERRORS}), so "
+              f"{cfg.output_dir} is not complete; rerun the same command to retry them", file=sys.stderr)
+        return 1
     if res.text_derived:
         print(text_warning(res.text_derived, res.answered), file=sys.stderr)
     if cfg.tokenize:
@@ -293,8 +333,12 @@ def run(cfg) -> int:
         build_training_set(cfg.output_dir, cfg.output_dir / "tokenized", fmt,
                            tokenizer_name=cfg.tokenizer or cfg.model, max_seq_len=cfg.max_seq_len,
                            loss_on=cfg.loss_on, keep_length=cfg.keep_length, progress_every=cfg.progress_every)
+    if res.failed and res.unretryable:
+        print(f"{res.failed} ids were {res.unretryable}; a rerun would fail the same way "
+              f"(reasons in {ERRORS})", file=sys.stderr)
+        return 1
     if res.failed:
-        print(f"{res.failed} ids failed after retries (reasons in errors.jsonl); "
+        print(f"{res.failed} ids failed after retries (reasons in {ERRORS}); "
               "rerun the same command to retry them", file=sys.stderr)
         return 1
     return 0

@@ -17,7 +17,7 @@ from eagle3_train.common.config import GENERATE, IMPORT_TEXT
 from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.manifest import MANIFEST, describe_file, describe_tokenizer, write_manifest
 from eagle3_train.common.progress import Progress
-from eagle3_train.common.prompts import BadRow, row_to_prompt
+from eagle3_train.common.prompts import BadRow, repeated_id, row_to_prompt
 from eagle3_train.common.store import TMP_PREFIX, DirLock, JsonlWriter, clean_temp_files, jsonl_lines
 from eagle3_train.generate.config import PROGRESS_LOG, RAW
 
@@ -91,7 +91,7 @@ def import_text_answers(cfg, fmt, log=print) -> dict:
         if not cfg.overwrite:  # refuse before the work, not after
             rerun.prepare(cfg)
         tmp = out_dir / f"{TMP_PREFIX}{RAW}"
-        seen: set[str] = set()
+        seen: dict[str, tuple[str, str]] = {}  # id -> where first, its conversation's hash
         counts, finish = Counter(), Counter()
         try:
             # Closed before --overwrite moves the old output (progress.log among it) aside.
@@ -104,9 +104,7 @@ def import_text_answers(cfg, fmt, log=print) -> dict:
                         p = row_to_prompt(row, cfg.id_field)
                     except BadRow as e:
                         raise PipelineError(f"{where}: {e}") from None
-                    if p.id in seen:
-                        raise PipelineError(f"{where}: id {p.id!r} appears twice; one answer per id")
-                    seen.add(p.id)
+                    repeated_id(seen, p, where, what="answer", identical_ok=False)
                     rec = {"id": p.id, "messages": p.messages,
                            **text_answer(fmt, p.messages, _answer_of(row, where))}
                     counts["prompt_tokens"] += len(rec["prompt_token_ids"])

@@ -116,6 +116,27 @@ def is_empty_answer(sample: dict) -> bool:
     return not any(isinstance(t, str) and t.strip() for t in texts)
 
 
+def check_raw_file(raw_path: Path, raw_manifest: dict, sha256: str) -> None:
+    """The raw file is what its finished stage wrote: its size and hash are the ones the manifest
+    recorded (manifest.describe_file). A torn last line, an appended or edited record after that
+    would otherwise be read quietly (a torn tail is skipped), so it is refused in one line."""
+    recorded = (raw_manifest.get("outputs") or {}).get("raw_responses") or {}
+    if not recorded:  # a manifest that describes no file (hand-made): nothing to hold it to
+        return
+    size = raw_path.stat().st_size
+    same = recorded.get("size") in (None, size) and recorded.get("sha256") in (None, sha256)
+    if same:
+        return
+    n = (raw_manifest.get("counts") or {}).get("records_in_file")
+    records = f"{n} records, " if n is not None else ""
+    old_sha = str(recorded.get("sha256") or "?")[:12]
+    writer = raw_manifest.get("written_by") or raw_manifest.get("stage") or RAW_STAGE
+    writer = writer.split("_")[0]  # 01a or 01b
+    raise PipelineError(f"{raw_path} does not match its manifest ({records}{recorded.get('size')} bytes, sha256 "
+                        f"{old_sha}...; the file now has {size} bytes, sha256 {sha256[:12]}...): it changed "
+                        f"after {writer} finished; rerun {writer} to repair it")
+
+
 def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str,
                        max_seq_len: int | None = None, loss_on: str = "final", keep_length: bool = True,
                        progress_every: float = 30.0, log=print) -> dict:
@@ -139,6 +160,7 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
     if not raw_path.exists():
         raise PipelineError(f"{raw_path} is missing although its manifest says complete")
     raw_sha = file_sha256(raw_path)
+    check_raw_file(raw_path, raw_manifest, raw_sha)
     tok_desc = describe_tokenizer(fmt.tokenizer, tokenizer_name)
     config = {"max_seq_len": max_seq_len, "loss_on": loss_on, "keep_length": keep_length}
     key = json_sha256({"raw": raw_sha, "tokenizer": tok_desc["fingerprint"], "format": fmt.describe(),

@@ -45,6 +45,15 @@ def parse_budget(text: str | None) -> Budget | None:
         return None
     s = str(text).strip()
     bad = PipelineError(f"--budget must be {BUDGET_FORMS}, not {text!r}")
+    # A zero or negative amount is a well-formed budget of nothing: say what is wrong with it.
+    not_positive = PipelineError(f"--budget must be positive (a duration like 2h, tokens like 5M, or steps "
+                                 f"like 3000), not {s}")
+    if s.startswith("-") and s[1:].strip()[:1].isdigit():
+        try:
+            parse_budget(s[1:].strip())
+        except PipelineError as e:
+            raise (not_positive if "must be positive" in str(e) else bad) from None
+        raise not_positive
     if m := re.fullmatch(r"(\d+(?:\.\d+)?)\s*(h|min|m|s)", s):
         kind, amount = "time", float(m[1]) * _TIME[m[2]]
     elif m := re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kKMGB]?)\s*(?:tok|tokens)", s) or \
@@ -54,8 +63,10 @@ def parse_budget(text: str | None) -> Budget | None:
         kind, amount = "steps", float(int(m[1]))
     else:
         raise bad
-    if amount <= 0 or not math.isfinite(amount):
+    if not math.isfinite(amount):
         raise bad
+    if amount <= 0:
+        raise not_positive
     return Budget(kind, amount, s)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from eagle3_train.common.config import join_dash_values
 from eagle3_train.common.errors import run_main
 from eagle3_train.common.formats import ATTNS, DRAFT_ARCHS
 from eagle3_train.train.config import EXPORT_DTYPES, LOSSES, MLA_FIELDS, OPTIMIZERS, TrainConfig
@@ -29,6 +30,7 @@ def _ids(text: str) -> list[int]:
 def parse_args(argv=None) -> TrainConfig:
     """Flags, types and groups here; each default and help text comes from TrainConfig's field."""
     C = TrainConfig
+    argv = join_dash_values(sys.argv[1:] if argv is None else argv, ("--aux-layer-ids", "--budget"))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("inputs")
     g.add_argument("--hidden-states", **C.arg("hidden_states"))

@@ -30,7 +30,7 @@ OPTIMIZERS = ("muon", "adamw")
 LOSSES = ("kl", "ce")
 # Dense attention scores every pair of positions in a packed batch, though only pairs inside one
 # sample count: forwards over groups of at most this many tokens cut that waste. On the benchmark's
-# 4,096-token batches (1 CPU thread, scripts/bench/group_tokens.py) 512 trains 4.5x the tokens/s of
+# 4,096-token batches (1 CPU thread, scripts/bench/train.py group-tokens) 512 trains 4.5x the tokens/s of
 # one forward, 256 5.1x, 1024 3.1x; 512 leaves room for samples longer than the benchmark's.
 DENSE_GROUP_TOKENS = 512
 SCHEDULE = "schedule.json"  # the run's chosen length (recipe.choose_length), kept so a resume keeps it
@@ -177,6 +177,8 @@ class TrainConfig(StageConfig):
         require(self.max_steps is None or self.max_steps >= 1, f"--max-steps must be at least 1, not {self.max_steps}")
         require(0 <= self.val_fraction < 1, f"--val-fraction must be in [0, 1), not {self.val_fraction}")
         require(self.lr is None or self.lr > 0, f"--lr must be positive, not {self.lr}")
+        require(self.aux_layer_ids is None or (self.aux_layer_ids and min(self.aux_layer_ids) >= 1),
+                f"--aux-layer-ids {self.aux_layer_ids}: layer ids are 1..N, as 02 stores them")
         require(self.draft_arch in DRAFT_ARCHS,
                 f"--draft-arch must be one of {', '.join(DRAFT_ARCHS)}, not {self.draft_arch!r}")
         set_mla = [f"--{_flag(k)}" for k, v in self.mla_dims.items() if v is not None]

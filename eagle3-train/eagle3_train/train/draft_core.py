@@ -27,8 +27,10 @@ def load_target_weights(target: str | Path) -> dict[str, torch.Tensor]:
     tensor by tensor from its safetensors shards (a 1T target is never loaded whole)."""
     from speculators.utils.loading import load_model_layers
 
+    from eagle3_train.common.target import local_model_dir
     from eagle3_train.common.target_layout import load_config, text_weight_names
 
+    target = local_model_dir(target, what="--target")  # a hub id: its local copy, never a download
     names = text_weight_names(load_config(target))
     with contextlib.suppress(ImportError):  # speculators logs one INFO line per file read
         from loguru import logger

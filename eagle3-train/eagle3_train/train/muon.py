@@ -3,7 +3,7 @@
 `torch.optim.Muon` always orthogonalises in bf16, which suits a GPU's tensor cores. A CPU without
 bf16 matrix units (AVX2, or AVX-512 without AMX/avx512_bf16) multiplies bf16 at a small fraction of
 its fp32 rate: on the 2-core AVX2 machines here 0.7 against 22 GFLOP/s, so a 1,024-wide draft's
-step spent ~50 s in Muon, not ~5 s (`scripts/bench/muon.py`). 04 orthogonalises in fp32 on CPU.
+step spent ~50 s in Muon, not ~5 s (`scripts/bench/train.py muon`). 04 orthogonalises in fp32 on CPU.
 
 Everything else is torch's algorithm and state (`momentum_buffer`, the same param-group keys), so a
 checkpoint made with torch's Muon resumes here and the reverse; with `ns_dtype=torch.bfloat16` a

