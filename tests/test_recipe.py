@@ -32,10 +32,14 @@ def test_budget_forms(text, kind, amount):
 
 def test_negative_looking_values_reach_the_configs_check(capsys):
     """argparse takes `-1,2` or `-2h` for an option ("expected one argument"); 04 joins them to
-    their flag so the config's own one-line message answers."""
+    their flag so the value reaches its check (--aux-layer-ids: 02's check_layers, against the
+    target's layer count, once the inputs are open) and that check's one line answers."""
     base = ["--hidden-states", "h", "--vocab-mapping", "v", "--target", "t", "--out", "o"]
-    with pytest.raises(PipelineError, match=r"--aux-layer-ids \[-1, 2\]: layer ids are 1..N"):
-        stage.parse_args([*base, "--aux-layer-ids", "-1,2"])
+    assert stage.parse_args([*base, "--aux-layer-ids", "-1,2"]).aux_layer_ids == [-1, 2]
+    from eagle3_train.extract.stage import check_layers
+
+    with pytest.raises(PipelineError, match="--aux-layer-ids"):
+        check_layers([-1, 2], 8, flag="--aux-layer-ids")
     with pytest.raises(PipelineError, match="--budget must be positive"):
         stage.parse_args([*base, "--budget", "-2h"])
 

@@ -177,8 +177,6 @@ class TrainConfig(StageConfig):
         require(self.max_steps is None or self.max_steps >= 1, f"--max-steps must be at least 1, not {self.max_steps}")
         require(0 <= self.val_fraction < 1, f"--val-fraction must be in [0, 1), not {self.val_fraction}")
         require(self.lr is None or self.lr > 0, f"--lr must be positive, not {self.lr}")
-        require(self.aux_layer_ids is None or (self.aux_layer_ids and min(self.aux_layer_ids) >= 1),
-                f"--aux-layer-ids {self.aux_layer_ids}: layer ids are 1..N, as 02 stores them")
         require(self.draft_arch in DRAFT_ARCHS,
                 f"--draft-arch must be one of {', '.join(DRAFT_ARCHS)}, not {self.draft_arch!r}")
         set_mla = [f"--{_flag(k)}" for k, v in self.mla_dims.items() if v is not None]
