@@ -5,6 +5,8 @@ training inputs made by the pipeline itself, the best lr of a sweep, and the res
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import json
 import math
 import shutil
@@ -100,3 +102,16 @@ def write_json(path: Path | None, results) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+
+def subcommands(description: str, commands: dict):
+    """A benchmark's parser with one subcommand per function in `commands`, and `command(name,
+    summary)` that adds one: `summary` in the list, the function's docstring as its --help."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=inspect.cleandoc(commands[name].__doc__ or ""),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    return p, command

@@ -8,9 +8,7 @@ measures, how to read its ratio, its flags).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import inspect
 import json
 import shlex
 import tempfile
@@ -18,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from eagle3_testkit.bench_runs import workdir, write_json
+from eagle3_testkit.bench_runs import subcommands, workdir, write_json
 from eagle3_testkit.extract_speed import extraction_speed, random_token_set
 from eagle3_train.common import hidden_store as hs
 from eagle3_train.common.target import target_info
@@ -352,13 +350,7 @@ COMMANDS = {"speed": speed, "quality": quality, "vllm": vllm}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-
-    def command(name: str, summary: str) -> argparse.ArgumentParser:
-        """The subcommand's parser: `summary` in the list of subcommands, its function's docstring as --help."""
-        return sub.add_parser(name, help=summary, description=inspect.cleandoc(COMMANDS[name].__doc__ or ""),
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p, command = subcommands(__doc__, COMMANDS)
 
     s = command("speed", "hf backend: extraction tokens/s / a plain forward's (goal >= 0.9), bytes per token")
     s.add_argument("--arch", nargs="+", default=["llama", "deepseek_v3"], help="tiny targets (default: both)")

@@ -10,8 +10,6 @@ to read its ratio, its flags).
 
 from __future__ import annotations
 
-import argparse
-import inspect
 import json
 import shutil
 import sys
@@ -20,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from eagle3_testkit.bench_runs import training_inputs, workdir, write_json
+from eagle3_testkit.bench_runs import subcommands, training_inputs, workdir, write_json
 from eagle3_testkit.train_memory import compare
 from eagle3_train.train.cli import parse_args as train_args
 from eagle3_train.train.muon import Muon
@@ -291,13 +289,7 @@ COMMANDS = {"speed": speed, "memory": memory, "group-tokens": group_tokens, "muo
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-
-    def command(name: str, summary: str) -> argparse.ArgumentParser:
-        """The subcommand's parser: `summary` in the list of subcommands, its function's docstring as --help."""
-        return sub.add_parser(name, help=summary, description=inspect.cleandoc(COMMANDS[name].__doc__ or ""),
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p, command = subcommands(__doc__, COMMANDS)
 
     s = command("speed", "04's loop against speculators' own Trainer: tokens/s ours / theirs (goal >= 1.0)")
     s.add_argument("--samples", type=int, default=160, help="synthetic samples (default: 160)")
