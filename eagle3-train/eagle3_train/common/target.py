@@ -42,6 +42,12 @@ def target_info(name_or_path: str) -> tuple[dict, object]:
     return describe_target(config, name_or_path), text_config(config)
 
 
+def looks_like_hub_id(name: str | Path) -> bool:
+    """`org/name` and nothing on this disk by that path: what the hub could hold."""
+    text = str(name)
+    return not Path(text).exists() and not text.startswith((".", "/", "~")) and text.count("/") == 1
+
+
 def local_model_dir(name_or_path: str | Path, *, what: str = "--model") -> Path:
     """The folder holding a checkpoint's files: the path itself, or a hub id's complete copy in the
     local Hugging Face cache. Stages that read weight files directly (02's top-k head, 04's and 05's
@@ -50,7 +56,7 @@ def local_model_dir(name_or_path: str | Path, *, what: str = "--model") -> Path:
     if path.is_dir():
         return path
     text = str(name_or_path)
-    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+    if not looks_like_hub_id(text):
         raise PipelineError(f"{what} {text}: no such folder (a local checkpoint folder or a hub id)")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError

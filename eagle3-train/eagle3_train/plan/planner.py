@@ -13,7 +13,7 @@ from pathlib import Path
 
 from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.hidden_store import bytes_per_token
-from eagle3_train.common.target import MLA_DIMS, has_mla
+from eagle3_train.common.target import MLA_DIMS, has_mla, looks_like_hub_id
 from eagle3_train.train.budget import auto_epochs
 
 GB = 1e9
@@ -347,7 +347,7 @@ def load_shape(target: str) -> Shape:
         if missing:
             raise PipelineError(f"--target {path}: not a model's config.json (no {', '.join(missing)})")
         return Shape.from_config(cfg)
-    if not path.exists() and (path.is_absolute() or target.startswith(".") or target.count("/") != 1):
+    if not path.exists() and not looks_like_hub_id(target):
         raise PipelineError(f"--target {target}: no such folder or file (a model folder, a config JSON or a hub id)")
     from eagle3_train.common.manifest import text_config
     from eagle3_train.common.target import load_target_config
