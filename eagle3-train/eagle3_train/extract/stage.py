@@ -300,6 +300,7 @@ def _run_locked(cfg, out: Path, rank: int, world: int, backend_factory, *, overw
     disk_check(out, need, force=cfg.force,
                what=f"{sum(s['tokens'] for s in pending)} tokens x {bpt} bytes/token ({cfg.storage})")
 
+    runner = None  # vLLM's model runner, when this run launched the server that extracted
     if pending:
         if world == 1:
             clean_temp_files(out)
@@ -309,6 +310,7 @@ def _run_locked(cfg, out: Path, rank: int, world: int, backend_factory, *, overw
                     (out / f"{hs.TMP_PREFIX}{hs.shard_name(s['k'])}").unlink()
         factory = backend_factory or make_backend
         backend = factory(cfg, num_layers=N, aux_ids=aux_ids, max_len=max(inp.lengths.values()))
+        runner = getattr(backend, "model_runner", None)
         try:
             extract_shards(backend, inp, pending, out, storage=cfg.storage, aux_ids=aux_ids, N=N,
                            index=hs.index_name(rank, world), progress_every=cfg.progress_every)
@@ -329,8 +331,9 @@ def _run_locked(cfg, out: Path, rank: int, world: int, backend_factory, *, overw
                    outputs={"shards": [e["shard"] for e in entries]}, counts=counts,
                    target=target, tokenizer=tokenizer, layer_ids=[*aux_ids, N], aux_layer_ids=aux_ids,
                    last_layer_id=N, hidden_size=H, storage=storage, dtype=storage.get("aux"),
-                   backend=cfg.backend, layer_convention=("id i = residual stream entering layer i; "
-                                                           f"id {N} = last layer output before the final norm"))
+                   backend=cfg.backend, vllm_model_runner=runner,
+                   layer_convention=("id i = residual stream entering layer i; "
+                                     f"id {N} = last layer output before the final norm"))
     print(f"wrote {len(entries)} shards ({hs.human_bytes(counts['bytes'])}, {counts['tokens']} tokens, "
           f"{bpt} bytes/token) to {out}")
     return 0

@@ -43,6 +43,7 @@ import torch
 
 from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.target_layout import is_wrapper
+from eagle3_train.common.vllm_server import V2_RUNNER_FALLBACK
 
 CONNECTOR = "ExampleHiddenStatesConnector"
 
@@ -266,6 +267,7 @@ class VllmBackend:
             print(f"02: the top-k head (final norm + lm_head) runs on {device}", file=sys.stderr)
             self.head = CheckpointHead(model_dir, cfg, device)
         self.server = None
+        self.model_runner = None  # known for a server this stage launched (its log says)
         if args.server_url:
             url = args.server_url
         elif args.launch_server:
@@ -283,6 +285,11 @@ class VllmBackend:
             print(f"starting vLLM: {self.server.command_line()}", file=sys.stderr)
             self.server.start()
             url = self.server.base_url
+            self.model_runner = self.server.model_runner()
+            if self.model_runner == "v2":
+                print(f"02: vLLM runs its V2 model runner; if extraction fails there, rerun with "
+                      f"{V2_RUNNER_FALLBACK} in the environment (the V1 runner is the one tested on CPU)",
+                      file=sys.stderr)
         else:
             cmd = serve_command(args.model, self.layer_ids, self.hidden_dir, max_model_len=max_len,
                                 tensor_parallel_size=args.tensor_parallel_size, served_name=args.served_model_name,
@@ -362,9 +369,10 @@ class VllmBackend:
         kv = getattr(resp, "kv_transfer_params", None) or (resp.model_extra or {}).get("kv_transfer_params")
         path = (kv or {}).get("hidden_states_path")
         if not path:
+            hint = f" (it runs the V2 model runner: try {V2_RUNNER_FALLBACK})" if self.model_runner == "v2" else ""
             raise PipelineError(f"vLLM's response for sample {rec['id']} has no kv_transfer_params."
                                 "hidden_states_path: was the server started with the printed "
-                                "--speculative-config and --kv-transfer-config?")
+                                f"--speculative-config and --kv-transfer-config?{hint}")
         prompt_ids = getattr(resp.choices[0], "prompt_token_ids", None)
         if prompt_ids is not None and list(prompt_ids) != ids:
             raise PipelineError(f"vLLM changed the prompt of sample {rec['id']} "

@@ -30,7 +30,8 @@ def training_record(sample: dict, tok) -> dict:
         "loss_mask": tok.loss_mask,
         "stats": {"prompt_len": tok.prompt_len, "num_supervised": tok.num_supervised,
                   "num_truncated": tok.num_truncated, "source": tok.source,
-                  "mismatch": tok.mismatch, "finish_reason": sample.get("finish_reason")},
+                  "mismatch": tok.mismatch, "malformed": tok.malformed,
+                  "finish_reason": sample.get("finish_reason")},
     }
 
 
@@ -178,6 +179,7 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
         tmp = out_dir / f"{TMP_PREFIX}{DATA}"
         counts = Counter()
         finish = Counter()
+        malformed = Counter()  # an answer-quality figure: what the model left malformed, by reason
         mismatches = Tally()
         kept: list[dict] = []  # stand-ins for summarize(): it only takes lengths and sums
         seen: set[str] = set()
@@ -203,6 +205,8 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
                         counts["dropped_empty_answer"] += 1
                         continue
                     t = tokenize_sample(sample, fmt, max_seq_len=max_seq_len, loss_on=loss_on)
+                    if t.malformed:
+                        malformed[t.malformed] += 1
                     if t.mismatch is not None:
                         counts["mismatched"] += 1
                         mismatches.add(sample, t, fmt)
@@ -229,7 +233,8 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
         all_counts = {**summary, **{k: counts[k] for k in (
             "input_records", "mismatched", "truncated", "kept_length", "dropped_length",
             "dropped_no_supervised_tokens", "dropped_empty_answer", "dropped_duplicate_id", "text_derived")},
-            "mismatch_kinds": dict(mismatches.kinds), "finish_reasons": dict(finish)}
+            "mismatch_kinds": dict(mismatches.kinds), "finish_reasons": dict(finish),
+            "malformed": sum(malformed.values()), "malformed_reasons": dict(malformed)}
         manifest = write_manifest(
             out_dir, STAGE, config=config,
             inputs={"raw_responses": {**describe_file(raw_path, hash_it=False), "sha256": raw_sha},
@@ -267,6 +272,10 @@ def format_summary(c: dict, mismatches: list[dict], path: Path) -> str:
              f"dropped: length {c['dropped_length']}, no supervised tokens "
              f"{c['dropped_no_supervised_tokens']}, empty answer {c['dropped_empty_answer']}, "
              f"duplicate id {c['dropped_duplicate_id']}"]
+    if c.get("malformed"):
+        reasons = ", ".join(f"{n} {why}" for why, n in sorted(c["malformed_reasons"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"  answer quality: {c['malformed']} of {c['input_records']} answers malformed ({reasons}); "
+                     "kept with the ids the model returned")
     if c.get("text_derived"):
         lines.append(f"warning: {c['text_derived']} samples are text-derived (ids re-wrapped from "
                      "reasoning/content, not returned by the server)")

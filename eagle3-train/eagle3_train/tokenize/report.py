@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from eagle3_train.common.mismatch import BOUNDARY_WHITESPACE, MISMATCH_CAUSES, REAL
+from eagle3_train.common.mismatch import BOUNDARY_WHITESPACE, MALFORMED, MISMATCH_CAUSES, REAL, SAME_TEXT
 from eagle3_train.common.tokenization import tokenize_sample
 
 EXAMPLES = 5  # mismatches of each kind described in full in the manifest; all are counted
@@ -45,16 +45,18 @@ class Tally:
 
 def summary_by_kind(kinds: dict) -> str:
     """The counts' parenthesis in 01c's summary line."""
-    return f"{kinds.get(REAL, 0)} real, {kinds.get(BOUNDARY_WHITESPACE, 0)} boundary whitespace"
+    return (f"{kinds.get(REAL, 0)} real, {kinds.get(BOUNDARY_WHITESPACE, 0)} boundary whitespace, "
+            f"{kinds.get(SAME_TEXT, 0)} same text split otherwise, {kinds.get(MALFORMED, 0)} malformed answer")
 
 
 def report_lines(kinds: dict, examples: list[dict]) -> list[str]:
-    """What 01c prints about mismatches: the expected kind as a note, real ones as a warning, then
+    """What 01c prints about mismatches: the explained kinds as notes, real ones as a warning, then
     each described example, real ones first (they are the ones to read)."""
     lines = []
-    if kinds.get(BOUNDARY_WHITESPACE):
-        lines.append(f"  {kinds[BOUNDARY_WHITESPACE]} boundary-whitespace mismatches, expected: "
-                     f"{MISMATCH_CAUSES[BOUNDARY_WHITESPACE]}")
+    for kind, what in ((BOUNDARY_WHITESPACE, "boundary-whitespace"), (SAME_TEXT, "same-text"),
+                       (MALFORMED, "malformed-answer")):
+        if kinds.get(kind):
+            lines.append(f"  {kinds[kind]} {what} mismatches, explained: {MISMATCH_CAUSES[kind]}")
     if kinds.get(REAL):
         lines.append(f"warning: {kinds[REAL]} real mismatches: {MISMATCH_CAUSES[REAL]}")
     for m in sorted(examples, key=lambda m: m.get("kind") != REAL):
