@@ -157,3 +157,34 @@ def test_preflight_names_the_models_served(tmp_path):
         assert len(warnings) == 1 and dead in warnings[0]
     with pytest.raises(PipelineError, match="no endpoint is reachable"):
         run(pre([dead], "fake"))
+
+
+def test_metrics_of_a_server_that_is_not_vllm_is_a_reason_not_an_error(tmp_path):
+    """The fault server is no vLLM: its /metrics is a 404, a dead endpoint is unreachable; both are
+    reasons (01b then notes them), not failures. A real vLLM's text: test_generate_vllm.py."""
+    async def metrics(urls):
+        async with ChatClient(urls, "fake", timeout=10) as c:
+            await c.preflight()
+            return [(ep.url, ep.max_model_len, text, why) for ep, text, why in await c.metrics()]
+
+    from eagle3_train.common.vllm_server import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    with FaultServer(tmp_path) as fs:
+        (a, b) = run(metrics([fs.url, dead]))
+    assert a == (fs.url, None, None, "HTTP 404")  # and its /models card carries no max_model_len
+    assert b[:3] == (dead, None, None) and b[3] and "404" not in b[3]
+
+
+def test_01b_notes_a_server_without_cache_figures_and_still_runs(tmp_path):
+    from helpers_generate import run_gen, write_prompts
+
+    prompts = write_prompts(tmp_path / "p.jsonl", ["q0", "q1"])
+    with FaultServer(tmp_path) as fs:
+        r = run_gen(prompts, tmp_path / "out", fs.url, "--max-tokens", "100", "--timeout", "30")
+    assert r.returncode == 0, r.stderr
+    note = f"note: {fs.url}: no KV cache figures at {fs.url[:-3]}/metrics (HTTP 404)"
+    assert note in r.stdout and "warning:" not in r.stdout, r.stdout
+    assert note in (tmp_path / "out" / "progress.log").read_text()
+    m = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert m["config"]["server_cache"]["endpoints"] == {fs.url: {"note": "HTTP 404"}}

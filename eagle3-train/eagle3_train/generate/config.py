@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from eagle3_train.common.config import GENERATE, StageConfig, require, setting
+from eagle3_train.generate.capture_settings import HIDDEN, REQUESTS, CaptureSettings
 from eagle3_train.tokenize.config import TokenizeSettings
 
 RAW = "raw_responses.jsonl"
@@ -18,14 +19,14 @@ TRANSPORTS = ("aiohttp", "httpx")
 
 
 @dataclass(kw_only=True)
-class GenerateConfig(TokenizeSettings, StageConfig):
+class GenerateConfig(CaptureSettings, TokenizeSettings, StageConfig):
     """What makes records one data set (not resumable): the input, the model and the sampling.
     Endpoints, concurrency, timeouts, retries, --limit and --shard only decide how and how much is
     generated, so they may change between a run and its resume; --allow-text-fallback decides what
     an id-less answer becomes, so it may not."""
 
     stage: ClassVar[str] = GENERATE
-    outputs: ClassVar[tuple[str, ...] | None] = (RAW, ERRORS, PROGRESS_LOG, "tokenized")
+    outputs: ClassVar[tuple[str, ...] | None] = (RAW, ERRORS, PROGRESS_LOG, "tokenized", HIDDEN, REQUESTS)
     claims: ClassVar[tuple[str, ...]] = (RAW,)
 
     # input (compared as resolved: the source's path or name, and the split of a dataset)
@@ -33,9 +34,11 @@ class GenerateConfig(TokenizeSettings, StageConfig):
     split: str = setting("train", resume=True, help="dataset split")
     dataset_config: str | None = setting(None, help="dataset config name (default: none)")
     id_field: str | None = setting(None, resume=True, help=(
-        "field holding the sample id (default: id/prompt_id/conversation_id/uuid/idx, else a hash of the conversation)"))
+        "field holding the sample id (default: id/prompt_id/conversation_id/uuid/idx, else a hash of the "
+        "conversation)"))
     limit: int | None = setting(None, resume=True, help="use the first N prompts (default: all)")
-    shard: str | None = setting(None, resume=True, help="I/N: this process takes shard I of N, by id hash (default: all)")
+    shard: str | None = setting(None, resume=True, help=(
+        "I/N: this process takes shard I of N, by id hash (default: all)"))
     skip_invalid: bool = setting(False, resume=True, help=(
         "count and skip malformed rows instead of stopping (default: stop with an error)"))
 
@@ -50,8 +53,11 @@ class GenerateConfig(TokenizeSettings, StageConfig):
         "OpenAI-compatible endpoint, e.g. http://host:8000/v1; repeat to spread load"))
     model: str = setting(help="served model name")
     api_key: str = setting(default_factory=lambda: os.environ.get("OPENAI_API_KEY", "EMPTY"), resume=True,
-                           secret=True, help="API key; not stored in the manifest (default: $OPENAI_API_KEY, else EMPTY)")
-    concurrency: int = setting(64, resume=True, help="requests in flight in total")
+                           secret=True, help=(
+                               "API key; not stored in the manifest (default: $OPENAI_API_KEY, else EMPTY)"))
+    concurrency: int = setting(64, resume=True, help=(
+        "requests in flight in total; the preflight warns when they exceed the servers' KV cache (vLLM's "
+        "/metrics) and names the concurrency that keeps answers resident (default: 64)"))
     timeout: float = setting(3600.0, resume=True, help=(
         "seconds for one attempt, end to end; long reasoning needs minutes (default: 3600)"))
     connect_timeout: float = setting(30.0, resume=True, help="seconds to connect (default: 30)")
@@ -62,7 +68,9 @@ class GenerateConfig(TokenizeSettings, StageConfig):
     abort_after: int = setting(64, resume=True, help=(
         "stop when this many samples in a row fail after retries; 0 = never (default: 64)"))
     transport: str = setting("aiohttp", resume=True, help="HTTP layer under the openai SDK")
-    no_preflight: bool = setting(False, resume=True, help="skip checking that each endpoint serves --model (default: check)")
+    no_preflight: bool = setting(False, resume=True, help=(
+        "skip checking that each endpoint serves --model and holds --concurrency answers in its KV cache "
+        "(default: check)"))
     # Not resumable: it decides whether an id-less answer is written (text-derived) or fails, so a
     # run's records are either all the server's ids or were allowed text fallback from the start.
     allow_text_fallback: bool = setting(False, help=(
@@ -103,3 +111,4 @@ class GenerateConfig(TokenizeSettings, StageConfig):
         require(isinstance(self.extra_body, dict), "--extra-body must be a JSON object")
         require(self.progress_every >= 0, f"--progress-every must not be negative, not {self.progress_every}")
         self.validate_tokenization()
+        self.validate_capture()

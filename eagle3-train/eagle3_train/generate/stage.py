@@ -17,9 +17,11 @@ the next run cuts off.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as _dt
 import hashlib
 import json
+import math
 import signal
 import sys
 from collections import Counter
@@ -33,6 +35,7 @@ from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.manifest import MANIFEST, describe_file, write_manifest
 from eagle3_train.common.progress import Progress
 from eagle3_train.common.prompts import Prompt, load_prompts, parse_shard
+from eagle3_train.common.server_metrics import CACHE_INFO, cache_tokens, fitting_concurrency, metrics_url
 from eagle3_train.common.store import DirLock, JsonlWriter, atomic_write_text, clean_temp_files, pending_ids, read_jsonl
 from eagle3_train.generate.config import ERRORS, PROGRESS_LOG, RAW
 from eagle3_train.import_text.stage import TEXT_WARNING, text_answer, text_warning
@@ -125,6 +128,68 @@ def _short(text, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# ----------------------------------------------------------------------------- the server's KV cache
+
+CHARS_PER_TOKEN = 4.0  # assumed, for the prompt estimate only (BPE on English; the answers dominate)
+
+
+def prompt_tokens_estimate(prompts: list[Prompt]) -> int:
+    """The mean prompt in tokens, from its messages' characters (CHARS_PER_TOKEN), rounded up."""
+    chars = sum(len(str(m.get("content") or "")) for p in prompts for m in p.messages)
+    return math.ceil(chars / CHARS_PER_TOKEN / max(1, len(prompts)))
+
+
+def cache_report(figures: list[tuple[str, int | None, int | None, str | None]], concurrency: int, prompt: int,
+                 max_tokens: int | None) -> tuple[list[str], dict]:
+    """What 01b says about the servers' KV caches before sending prompts: lines to print (a
+    `warning:` when --concurrency x (prompt + max tokens) exceeds a server's cache, naming the
+    concurrency that fits; a `note:` where a server gives no figures) and the record for the
+    manifest. `figures`: per endpoint (url, cache tokens, max_model_len, why there are none).
+    The client spreads requests evenly (fewest in flight first), so each server holds its share."""
+    share = math.ceil(concurrency / len(figures))
+    lines, endpoints, fits = [], {}, []
+    for url, cache, max_len, why in figures:
+        if cache is None:
+            lines.append(f"note: {url}: no KV cache figures at {metrics_url(url)} ({why or f'no {CACHE_INFO}'}); "
+                         "--concurrency is not checked against it")
+            endpoints[url] = {"note": why or f"no {CACHE_INFO}"}
+            continue
+        # vLLM refuses prompt + max_tokens over its context, and without --max-tokens an answer may fill it
+        request = min(prompt + max_tokens, max_len or math.inf) if max_tokens else max_len
+        if not request:
+            lines.append(f"note: {url}: KV cache {cache:,} tokens; without --max-tokens or the server's "
+                         "max_model_len the answers' length is unknown, so --concurrency is not checked")
+            endpoints[url] = {"cache_tokens": cache, "max_model_len": max_len}
+            continue
+        fit = fitting_concurrency(cache, request)
+        fits.append(fit)
+        endpoints[url] = {"cache_tokens": cache, "max_model_len": max_len, "request_tokens": request,
+                          "concurrency_fits": fit}
+        what = f"(~{prompt:,} prompt + {max_tokens:,} --max-tokens)" if max_tokens else "(max_model_len)"
+        if share * request > cache:
+            lines.append(f"warning: {url}: {share:,} requests in flight x {request:,} tokens {what} = "
+                         f"{share * request:,} tokens > the server's KV cache of {cache:,} tokens: vLLM will "
+                         f"preempt and recompute answers; --concurrency {fit * len(figures):,} keeps them resident")
+        else:
+            lines.append(f"01b: {url}: KV cache {cache:,} tokens holds {fit:,} requests of {request:,} tokens "
+                         f"{what}; {share:,} in flight fit")
+    record = {"prompt_tokens_estimate": prompt, "endpoints": endpoints}
+    if fits:
+        record["concurrency_fits"] = min(fits) * len(figures)
+    return lines, record
+
+
+async def check_server_cache(client: ChatClient, prompts: list[Prompt], args, say) -> dict:
+    """01b's preflight of the servers' KV caches (vLLM's /metrics, read once before any prompt):
+    calls `say(line)` per line of cache_report; returns its record for the manifest."""
+    figures = [(ep.url, cache_tokens(text) if text else None, ep.max_model_len, why)
+               for ep, text, why in await client.metrics()]
+    lines, record = cache_report(figures, args.concurrency, prompt_tokens_estimate(prompts), args.max_tokens)
+    for line in lines:
+        say(line)
+    return record
+
+
 # ----------------------------------------------------------------------------- the run
 
 class _Abort(Exception):
@@ -144,9 +209,11 @@ class RunResult:
     unretryable: str | None = None  # why the ids still failed, when no retry can fix it (no_retry_helps)
 
 
-async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progress, text_fmt=None) -> dict:
-    """`text_fmt` (a ChatFormat) set: answers without token ids are re-wrapped from their text."""
-    client = ChatClient(args.base_url, args.model, timeout=args.timeout, max_retries=args.max_retries,
+async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progress, text_fmt=None, cap=None) -> dict:
+    """`text_fmt` (a ChatFormat) set: answers without token ids are re-wrapped from their text.
+    `cap` (a capture.Capture): each answer is committed with its hidden states (capture.py)."""
+    client_class = ChatClient if cap is None else cap.client_class
+    client = client_class(args.base_url, args.model, timeout=args.timeout, max_retries=args.max_retries,
                         backoff_base=args.backoff_base, backoff_max=args.backoff_max,
                         connect_timeout=args.connect_timeout, api_key=args.api_key,
                         concurrency=args.concurrency, transport=args.transport,
@@ -155,6 +222,13 @@ async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progre
     stats = {"answered": 0, "failed": 0, "tokens": 0, "interrupted": None, "finish": Counter(),
              "error_types": Counter(), "text_derived": 0}
     written: set[str] = set()
+
+    def say(line: str) -> None:  # the terminal and progress.log (`tail -f` over SSH)
+        progress.bar.write(line)
+        if progress.log_path is not None:
+            with open(progress.log_path, "a") as f:
+                f.write(f"{_now()} {STAGE} {line}\n")
+
     streak: list[dict] = []  # the errors of the failures in a row so far
     it = iter(prompts)
     raw = JsonlWriter(out_dir / RAW, fsync=False)
@@ -164,8 +238,11 @@ async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progre
         for p in it:
             sampling = sampling_for(args, p.id)
             body = client.body(p.messages, sampling, chat_template_kwargs=args.chat_template_kwargs,
-                               extra_body=args.extra_body)
+                               extra_body=args.extra_body if cap is None else cap.extra_body(args.extra_body))
             out = await client.complete(body)
+            states = None
+            if cap is not None:  # read before the commit below; a lost file asks again
+                out, states = await cap.collect(p, out, lambda body=body: client.complete(body))
             # From here to the next await nothing can interrupt: a record is written whole or not.
             if p.id in written:
                 continue
@@ -175,9 +252,10 @@ async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progre
                 if a["token_ids"] is None:  # only with --allow-text-fallback (see text_import)
                     a = text_answer(text_fmt, p.messages, a)
                     stats["text_derived"] += 1
-                raw.write({"id": p.id, "messages": p.messages, **a, "sampling": sampling,
-                           "endpoint": out.endpoint, "latency_s": out.latency_s, "attempts": out.attempts,
-                           "created": _now()})
+                rec = {"id": p.id, "messages": p.messages, **a, "sampling": sampling,
+                       "endpoint": out.endpoint, "latency_s": out.latency_s, "attempts": out.attempts,
+                       "created": _now()}
+                cap.add(rec, states) if cap is not None else raw.write(rec)
                 stats["answered"] += 1
                 stats["tokens"] += len(a["token_ids"])
                 stats["finish"][a["finish_reason"]] += 1
@@ -229,6 +307,7 @@ async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progre
             if not args.no_preflight:
                 for w in await client.preflight():
                     progress.bar.write(f"warning: {w}")
+                stats["server_cache"] = await check_server_cache(client, prompts, args, say)
             tasks.extend(asyncio.create_task(worker()) for _ in range(min(args.concurrency, len(prompts))))
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             failed = [t for t in done if not t.cancelled() and t.exception() is not None]
@@ -264,7 +343,12 @@ def run_generation(args) -> RunResult:
         clean_temp_files(out_dir)
         ps = load_prompts(args.input, split=args.split, config=args.dataset_config, limit=args.limit,
                           shard=shard, id_key=args.id_field, skip_invalid=args.skip_invalid)
-        rerun.prepare(args, source_identity(args, ps.source))
+        cap = None
+        if args.capture_hidden_states:  # target, layers, tokenizer checked; nothing written yet
+            from eagle3_train.generate.capture import Capture
+
+            cap = Capture(args, out_dir)
+        rerun.prepare(args, {**source_identity(args, ps.source), **(cap.identity() if cap is not None else {})})
         text_fmt = None
         if args.allow_text_fallback:  # load the tokenizer before any request
             from eagle3_train.common.tokenization import chat_format_from_args
@@ -272,6 +356,8 @@ def run_generation(args) -> RunResult:
             text_fmt = chat_format_from_args(args, default_tokenizer=args.model)
         raw_path, err_path = out_dir / RAW, out_dir / ERRORS
         JsonlWriter(raw_path).close()  # repairs a torn tail left by kill -9 before we read it
+        if cap is not None:  # answers and states made to agree again after a kill (capture.py)
+            cap.open(raw_path)
         committed = set(committed_ids(raw_path))
         failed = compact_errors(err_path, committed)
         plan = plan_work(ps.ids, committed, failed)
@@ -287,10 +373,15 @@ def run_generation(args) -> RunResult:
                                 every_s=args.progress_every, unit="req")
             note = "failed"
             try:
-                stats = asyncio.run(_generate(todo, args, out_dir, progress, text_fmt))
+                with cap.serving(out_dir / "vllm-server.log") if cap is not None else contextlib.nullcontext():
+                    stats = asyncio.run(_generate(todo, args, out_dir, progress, text_fmt, cap))
                 note = f"stopped by {stats['interrupted']}" if stats["interrupted"] else "finished"
             finally:
+                if cap is not None:
+                    cap.close()  # the answers still buffered are committed with their states
                 progress.close(note)
+        elif cap is not None:
+            cap.close()
         committed = set(committed_ids(raw_path))
         failed = compact_errors(err_path, committed)
         requested = set(ps.ids)
@@ -299,6 +390,8 @@ def run_generation(args) -> RunResult:
         text_derived = None
         # No answer at all is not a data set: the directory stays incomplete (run() says why).
         if stats["interrupted"] is None and answered:
+            if cap is not None:
+                cap.finalize(raw_path)
             text_derived = _write_manifest(out_dir, args, ps, answered, len(still_failed), stats)
         return RunResult(len(ps.ids), answered, len(still_failed), stats["interrupted"], stats["answered"],
                          stats["failed"], stats["tokens"], text_derived or 0, no_retry_helps(still_failed))
@@ -356,7 +449,9 @@ def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: 
             gen_tokens += len(rec.get("token_ids") or ())
     error_types = Counter(r.get("error_type") for r in read_jsonl(out_dir / ERRORS))
     write_manifest(
-        out_dir, STAGE, config=args.to_dict(), inputs={"prompts": ps.describe()},
+        out_dir, STAGE, config={**args.to_dict(), **({"server_cache": stats["server_cache"]}
+                                                     if stats.get("server_cache") else {})},
+        inputs={"prompts": ps.describe()},
         outputs={"raw_responses": describe_file(out_dir / RAW),
                  "errors": describe_file(out_dir / ERRORS) if (out_dir / ERRORS).exists() else None},
         counts={"requested": len(ps.ids), "answered": answered, "failed": failed,
@@ -365,7 +460,7 @@ def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: 
                 "records_in_file": sum(1 for _ in read_jsonl(out_dir / RAW)), "text_derived": text_derived,
                 "this_run": {"answered": stats["answered"], "failed": stats["failed"],
                              "retries": stats["retries"], "text_derived": stats.get("text_derived", 0)}},
-        target={"model": args.model, "base_urls": list(args.base_url)},
+        target={"model": args.model, "base_urls": list(args.base_url or ())},
         identity={**args.identity(), **source_identity(args, ps.source)}, text_derived=bool(text_derived),
         **({"text_warning": TEXT_WARNING} if text_derived else {}))
     return text_derived

@@ -1,9 +1,10 @@
 """00: plan a run before anything runs: per stage the disk, the per-GPU memory (04 at its batch,
 02's top-k head, 05's offline head), the tokens and the hours from tok/s rates (measured where
-marked, else assumed; --rate-02 etc. override). Writes nothing.
+marked, else assumed; --rate-02 etc. override), and 01b's concurrency that keeps answers resident
+in the servers' KV cache. Writes nothing.
 
     python eagle3-train/00_plan.py --target docs/kimi-k2.5-text-config.json --samples 100000 \\
-        --tokens-per-sample 10000 --gpus 8 --gpu-memory-gb 96
+        --tokens-per-sample 10000 --gpus 8 --gpu-memory-gb 96 --weights-gb 554
     python eagle3-train/00_plan.py --target MODEL_DIR --data work/tokenized --storage fp8-topk --json
 """
 
@@ -39,10 +40,15 @@ def parse_args(argv=None) -> PlanConfig:
     st.add_argument("--attn", choices=ATTNS, **C.arg("attn"))
     st.add_argument("--train-embeddings", action="store_true", **C.arg("train_embeddings"))
     st.add_argument("--train-lm-head", action="store_true", **C.arg("train_lm_head"))
+    st.add_argument("--gen-prompt-tokens", type=int, **C.arg("gen_prompt_tokens"))
+    st.add_argument("--gen-max-tokens", type=int, **C.arg("gen_max_tokens"))
 
     hw = p.add_argument_group("hardware and rates")
     hw.add_argument("--gpus", type=int, **C.arg("gpus"))
     hw.add_argument("--gpu-memory-gb", type=float, **C.arg("gpu_memory_gb"))
+    hw.add_argument("--gpu-memory-utilization", type=float, **C.arg("gpu_memory_utilization"))
+    hw.add_argument("--weights-gb", type=float, **C.arg("weights_gb"))
+    hw.add_argument("--gen-servers", type=int, **C.arg("gen_servers"))
     for stage in RATED_STAGES:
         hw.add_argument(f"--rate-{stage}", type=float, **C.arg(f"rate_{stage}"))
     return C.from_args(p.parse_args(argv))

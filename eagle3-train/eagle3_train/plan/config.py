@@ -34,7 +34,15 @@ class PlanConfig(Settings):
     train_lm_head: bool = setting(False, help="04 trains lm_head (default: frozen)")
     gpus: int = setting(8, help="GPUs")
     gpu_memory_gb: float = setting(96.0, help="memory per GPU in GB")
-    rate_01b: float | None = setting(None, help="01b's tok/s over all GPUs (default: see the table)")
+    gpu_memory_utilization: float = setting(0.9, help="01b's vllm serve --gpu-memory-utilization (default: 0.9, "
+                                                      "vLLM's)")
+    weights_gb: float | None = setting(None, help=(
+        "the target's weights in GB, for 01b's KV cache (default: the model folder's weight files; "
+        "Kimi-K2.5 INT4: ~554)"))
+    gen_servers: int = setting(1, help="01b's vLLM servers, each over --gpus / --gen-servers GPUs (default: 1)")
+    gen_prompt_tokens: int = setting(1024, help="01b's mean prompt in tokens (default: 1024)")
+    gen_max_tokens: int = setting(16384, help="01b's --max-tokens (default: 16384)")
+    rate_01b: float | None = setting(None, help="01b's tok/s over all servers (default: see the table)")
     rate_02: float | None = setting(None, help="02's tok/s over all GPUs (default: see the table)")
     rate_04: float | None = setting(None, help="04's tok/s over all GPUs (default: see the table)")
     rate_05: float | None = setting(None, help="05's tok/s over all GPUs (default: see the table)")
@@ -45,10 +53,15 @@ class PlanConfig(Settings):
 
     def validate(self) -> None:
         for name in ("samples", "tokens_per_sample", "topk", "n_aux", "draft_vocab_size", "max_tokens_per_batch",
-                     "ttt_steps", "gpus", "gpu_memory_gb"):
+                     "ttt_steps", "gpus", "gpu_memory_gb", "gen_servers", "gen_prompt_tokens", "gen_max_tokens"):
             value = getattr(self, name)
             require(value > 0, f"--{name.replace('_', '-')} must be positive, not {value}")
         require(self.epochs is None or self.epochs >= 1, f"--epochs must be at least 1, not {self.epochs}")
+        require(0 < self.gpu_memory_utilization <= 1,
+                f"--gpu-memory-utilization must lie in (0, 1], not {self.gpu_memory_utilization}")
+        require(self.weights_gb is None or self.weights_gb > 0, f"--weights-gb must be positive, not {self.weights_gb}")
+        require(self.gen_servers <= self.gpus,
+                f"--gen-servers {self.gen_servers} needs at least as many --gpus, not {self.gpus}")
         for stage in RATED_STAGES:
             rate = getattr(self, f"rate_{stage}")
             require(rate is None or rate > 0, f"--rate-{stage} must be positive, not {rate}")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.hidden_store import bytes_per_token
+from eagle3_train.common.server_metrics import fitting_concurrency
 from eagle3_train.common.target import MLA_DIMS, has_mla, looks_like_hub_id
 from eagle3_train.train.budget import auto_epochs
 
@@ -22,9 +23,18 @@ SHARD_HEADER = 4096  # safetensors header + the shard's JSON description, fixed 
 SAMPLE_META = 48  # per sample in a shard's description: its id, offset and length
 RAW_BYTES_PER_TOKEN = 4.5  # 01b JSONL: text of a BPE token (~4 chars) plus JSON escaping (assumed)
 
-# tok/s per stage, for the whole run (all GPUs); `source` says where the figure comes from.
+# 01b: one vLLM server (tensor parallel over its GPUs) decodes b answers at once at
+# b / (1/GEN_SEQ_TOK_S + b/GEN_MAX_TOK_S) tok/s: each step costs a fixed part (reading the weights,
+# the TP all-reduces) and a part per answer, so one answer alone gets ~GEN_SEQ_TOK_S and a large
+# batch approaches GEN_MAX_TOK_S (~1,000 tok/s at 64, the figure the planner used to assume per server).
+GEN_SEQ_TOK_S = 30.0  # assumed: one answer of a 1T MoE (Kimi-K2.5 INT4) at TP 8 over PCIe, no NVLink
+GEN_MAX_TOK_S = 2000.0  # assumed: that server's ceiling at large batches
+GEN_BATCH = 64  # assumed answers in flight when the KV cache is unknown (no --weights-gb)
+ACTIVATION_RESERVE_GB = 2.0  # per GPU, what vLLM keeps beside weights and KV cache (activations, graphs; assumed)
+
+# tok/s per stage, for the whole run (all GPUs); `source` says where the figure comes from
+# (01b's: gen_rate, from the servers and the answers their KV cache holds).
 RATES = {
-    "01b": (8.0 * 1000, "assumed: 8 servers x ~1,000 output tok/s of 8K-token reasoning"),
     "02": (3165.0, "measured: the original Kimi-K2.5 run's vLLM extraction (828 GB written)"),
     "04": (40000.0, "assumed: 8 GPUs x ~5,000 tok/s for a one-layer draft at TTT 3"),
     "05": (5000.0, "assumed"),
@@ -79,6 +89,13 @@ class Flags:
     raw_bytes_per_token: float = RAW_BYTES_PER_TOKEN
     tokenized_bytes: int | None = None  # measured from --data instead of estimated
     rates: dict | None = None
+    gen_servers: int = 1  # 01b's vLLM servers, each over gpus // gen_servers GPUs (the runbook: one, TP 8)
+    gen_prompt_tokens: int = 1024  # 01b's mean prompt (assumed)
+    gen_max_tokens: int = 16384  # 01b's --max-tokens (the runbook's)
+    gpu_memory_utilization: float = 0.9  # vLLM's --gpu-memory-utilization (its default)
+    weights_gb: float | None = None  # the target's weight files; None: unknown, so is the KV cache
+    activation_reserve_gb: float = ACTIVATION_RESERVE_GB
+    kv_dtype_bytes: int = 2  # vLLM's KV cache in the model's bf16 (--kv-cache-dtype auto)
 
 
 def tokens(f: Flags) -> int:
@@ -222,23 +239,89 @@ def export_bytes(shape: Shape, f: Flags, dtype_bytes: int) -> int:
     return sum(draft_params(shape, f).values()) * dtype_bytes + f.draft_vocab_size * 8 + shape.vocab
 
 
-def hours(n_tokens: int, rate: float) -> float:
-    return n_tokens / rate / 3600
+def hours(n_tokens: int, rate: float) -> float | None:
+    return n_tokens / rate / 3600 if rate > 0 else None  # None: it never finishes (nothing fits)
+
+
+def gen_gpus(f: Flags) -> int:
+    """GPUs per 01b server (its tensor-parallel size)."""
+    return max(1, f.gpus // f.gen_servers)
+
+
+def kv_bytes_per_token(shape: Shape, f: Flags) -> int:
+    """KV cache bytes one token takes on each GPU of a server. MLA (DeepSeek-V3, Kimi) caches one
+    latent per layer, kv_lora_rank + the rope key, and vLLM keeps it whole on every tensor-parallel
+    rank; GQA caches K and V of its kv heads, split over the ranks (each holds at least one head)."""
+    if shape.mla:
+        width = shape.mla["kv_lora_rank"] + shape.mla["qk_rope_head_dim"]
+    else:
+        width = 2 * math.ceil(shape.kv_heads / gen_gpus(f)) * shape.head_dim
+    return width * shape.layers * f.kv_dtype_bytes
+
+
+def hidden_cache_bytes_per_token(shape: Shape, f: Flags) -> int:
+    """01b --capture-hidden-states: vLLM's hidden-state cache (extract_hidden_states' cache-only
+    layer, HiddenStateCacheSpec: n_aux + 1 states of `hidden` in the model's dtype a token, not
+    split over the tensor-parallel ranks), allocated beside the KV cache for prompt + answer."""
+    return (f.n_aux + 1) * shape.hidden * f.kv_dtype_bytes
+
+
+def serving(shape: Shape, f: Flags, capture: bool = False) -> dict:
+    """01b's servers: per GPU, vLLM's share of the memory (--gpu-memory-utilization) less the
+    weights' share and ACTIVATION_RESERVE_GB is KV cache; the tokens it holds, and how many answers
+    of gen_prompt_tokens + gen_max_tokens stay resident at once (more are preempted and recomputed).
+    Without the weights' size the cache is unknown and GEN_BATCH is assumed. `capture`: the server
+    01b --capture-hidden-states needs, whose tokens also hold their hidden states (one cache group
+    with MLA, so both caches take the same blocks) and whose decode steps run 2 tokens an answer
+    (the method's dummy draft)."""
+    out = {"servers": f.gen_servers, "gpus_per_server": gen_gpus(f), "kv_bytes_per_token": kv_bytes_per_token(shape, f),
+           "request_tokens": f.gen_prompt_tokens + f.gen_max_tokens}
+    per_token = out["kv_bytes_per_token"]
+    if capture:
+        out |= {"hidden_bytes_per_token": hidden_cache_bytes_per_token(shape, f), "tokens_per_step": 2}
+        per_token += out["hidden_bytes_per_token"]
+    if f.weights_gb is None:  # the same cache holds fewer answers when each token takes more
+        return out | {"batch": GEN_BATCH * out["kv_bytes_per_token"] // per_token}
+    weights = f.weights_gb * GB / out["gpus_per_server"]
+    kv = max(0.0, f.gpu_memory_gb * GB * f.gpu_memory_utilization - weights - f.activation_reserve_gb * GB)
+    resident = int(kv // per_token)
+    fits = fitting_concurrency(resident, out["request_tokens"])
+    return out | {"weights_per_gpu": int(weights), "kv_cache_per_gpu": int(kv), "resident_tokens": resident,
+                  "concurrency": fits, "batch": fits}
+
+
+def gen_rate(serve: dict) -> tuple[float, str]:
+    """01b's tok/s over all servers and where it comes from (GEN_SEQ_TOK_S, GEN_MAX_TOK_S). A step
+    yields one token an answer; its per-answer part grows with the tokens each answer runs in it
+    (2 while capturing: assumed to cost as much as a second answer's token)."""
+    b, k = serve["batch"], serve.get("tokens_per_step", 1)
+    per = b / (1 / GEN_SEQ_TOK_S + k * b / GEN_MAX_TOK_S) if b else 0.0
+    n = serve["servers"]
+    at = (f"{b} answers resident (--concurrency {b * n})" if "concurrency" in serve
+          else f"{b} answers in flight (KV cache unknown: pass --weights-gb)")
+    return n * per, (f"assumed: {n} server{'s' if n > 1 else ''} x {per:,.0f} tok/s at {at}, "
+                     f"~{GEN_SEQ_TOK_S:.0f} tok/s for one answer" + (f", {k} tokens a step" if k > 1 else ""))
 
 
 def plan(shape: Shape, f: Flags) -> dict:
     """Per stage: disk written, per-GPU memory, tokens and hours, with each rate's source."""
-    rates = {k: v for k, v in RATES.items()} | {k: (float(r), "given") for k, r in (f.rates or {}).items() if r}
+    serve = serving(shape, f)
+    rates = RATES | {"01b": gen_rate(serve)} | {k: (float(r), "given") for k, r in (f.rates or {}).items() if r}
     n = tokens(f)
     mem = train_memory(shape, f)
     topk_head = head_bytes(shape, f.head_chunk) if f.storage == "fp8-topk" else 0
 
     def timed(stage, count):
         r, src = rates[stage]
-        return {"tokens": count, "rate_tok_s": r, "rate_source": src, "hours": round(hours(count, r), 2)}
+        h = hours(count, r)
+        return {"tokens": count, "rate_tok_s": r, "rate_source": src, "hours": None if h is None else round(h, 2)}
 
+    gen = {"disk": raw_jsonl_bytes(f), **timed("01b", n), "serving": serve}
+    if "weights_per_gpu" in serve:  # what vLLM needs before any KV cache; it fits when one answer does
+        gen |= {"gpu_memory": serve["weights_per_gpu"] + int(f.activation_reserve_gb * GB),
+                "fits": serve["concurrency"] >= 1}
     stages = {
-        "01b": {"disk": raw_jsonl_bytes(f), **timed("01b", n)},
+        "01b": gen,
         "01c": {"disk": tokenized_jsonl_bytes(f, shape.vocab), "tokens": n},
         "02": {"disk": store_bytes(f, shape), "gpu_memory": topk_head,
                "gpu_memory_note": "the top-k head beside vLLM (lm_head bf16 + chunk logits)" if topk_head
@@ -253,9 +336,40 @@ def plan(shape: Shape, f: Flags) -> dict:
     }
     for s in stages.values():
         if "gpu_memory" in s:
-            s["fits"] = s["gpu_memory"] <= f.gpu_memory_gb * GB
+            s.setdefault("fits", s["gpu_memory"] <= f.gpu_memory_gb * GB)
     return {"target": asdict(shape), "flags": asdict(f), "tokens": n, "stages": stages,
-            "disk_total": sum(s.get("disk", 0) for s in stages.values())}
+            "disk_total": sum(s.get("disk", 0) for s in stages.values()),
+            "capture": capture_path(shape, f, stages)}
+
+
+def capture_path(shape: Shape, f: Flags, stages: dict) -> dict:
+    """The other way to 02's store: 01b --capture-hidden-states, which keeps the states vLLM computes
+    while generating (serving(capture=True): fewer answers resident, 2 tokens a step) and needs no 02;
+    against the two passes, 01b then 02 (a second prefill of every answer). Disk: the same answers and
+    store, plus the connector's per-request files of the answers in flight (deleted once repacked)."""
+    serve = serving(shape, f, capture=True)
+    rate, src = gen_rate(serve)
+    given = (f.rates or {}).get("01b")
+    if given:  # a measured plain rate: scaled by this model's capture / plain ratio
+        ratio = rate / gen_rate(serving(shape, f))[0] if rate else 0.0
+        rate, src = given * ratio, f"given --rate-01b x {ratio:.3f} (the model's capture / plain rate)"
+    h = hours(tokens(f), rate)
+    gen, ex = stages["01b"], stages["02"]
+    in_flight = serve.get("concurrency", serve["batch"]) * serve["servers"]
+    row = {"disk": gen["disk"] + ex["disk"], "scratch_disk": in_flight * serve["request_tokens"]
+           * serve["hidden_bytes_per_token"], "tokens": tokens(f), "rate_tok_s": rate, "rate_source": src,
+           "hours": None if h is None else round(h, 2), "serving": serve}
+    if "fits" in gen:
+        row["fits"] = serve["concurrency"] >= 1
+    two = None if gen["hours"] is None or ex["hours"] is None else round(gen["hours"] + ex["hours"], 2)
+    out = {"01b": row, "two_pass": {"hours": two, "disk": gen["disk"] + ex["disk"]}, "cheaper": None}
+    if two is not None or row["hours"] is not None:  # None: never finishes
+        cap_first = two is None or (row["hours"] is not None and row["hours"] < two)
+        out["cheaper"] = "capture" if cap_first else "two_pass"
+        out["saves_hours"] = None if None in (two, row["hours"]) else round(abs(two - row["hours"]), 2)
+        out["saves_disk"] = row["disk"] + row["scratch_disk"] - out["two_pass"]["disk"] if not cap_first \
+            else out["two_pass"]["disk"] - row["disk"] - row["scratch_disk"]
+    return out
 
 
 def table(p: dict) -> str:
@@ -265,8 +379,12 @@ def table(p: dict) -> str:
 
     rows = [f"{'stage':<6}{'disk':>12}{'GPU mem':>12}{'tokens':>16}{'tok/s':>10}{'hours':>9}  rate"]
     for name, s in p["stages"].items():
+        h = s.get("hours", 0)
         rows.append(f"{name:<6}{gb(s.get('disk')):>12}{gb(s.get('gpu_memory')):>12}{s.get('tokens', 0):>16,}"
-                    f"{s.get('rate_tok_s', 0):>10,.0f}{s.get('hours', 0):>9.1f}  {s.get('rate_source', '')}")
+                    f"{s.get('rate_tok_s', 0):>10,.0f}{'never' if h is None else f'{h:.1f}':>9}  "
+                    f"{s.get('rate_source', '')}")
+    rows += gen_lines(p["stages"]["01b"]["serving"], p["flags"])
+    rows += capture_lines(p, gb)
     m = p["stages"]["04"]["memory_parts"]
     s4 = p["stages"]["04"]
     rows.append(f"04 {s4['draft']} draft layer, {s4['epochs']} epoch(s) = {s4['steps']:,} steps")
@@ -276,6 +394,60 @@ def table(p: dict) -> str:
     rows.append(f"04 checkpoint {gb(s4['checkpoint'])}; export bf16 {gb(s4['export_bf16'])}, "
                 f"fp32 {gb(s4['export_fp32'])}; disk total {gb(p['disk_total'])}")
     return "\n".join(rows)
+
+
+def gen_lines(serve: dict, flags: dict) -> list[str]:
+    """01b's servers under the table: the KV cache per GPU and the concurrency that keeps answers resident."""
+    n, tp = serve["servers"], serve["gpus_per_server"]
+    head = (f"01b {n} vLLM server{'s' if n > 1 else ''}, {tp} GPU{'s' if tp > 1 else ''} each (TP {tp}), "
+            f"{serve['kv_bytes_per_token']:,} B of KV cache a token")
+    if "concurrency" not in serve:
+        return [f"{head}; its size is unknown (no weight files here): pass --weights-gb (Kimi-K2.5 INT4: ~554) "
+                "for the concurrency that keeps answers resident"]
+    fits = serve["concurrency"]
+    per_gpu, util = flags["gpu_memory_gb"] * flags["gpu_memory_utilization"], flags["gpu_memory_utilization"]
+    cache = (f"01b per GPU: {per_gpu:,.1f} GB (--gpu-memory-utilization {util:g}) - weights "
+             f"{serve['weights_per_gpu'] / GB:,.1f} GB - reserve {flags['activation_reserve_gb']:g} GB (assumed) "
+             f"= KV cache {serve['kv_cache_per_gpu'] / GB:,.1f} GB = {serve['resident_tokens']:,} tokens")
+    if not fits:
+        return [head, cache, f"01b: not one answer of {serve['request_tokens']:,} tokens fits: fewer "
+                             "--gen-servers (more GPUs each), a lower --gen-max-tokens, or smaller weights"]
+    return [head, cache, f"01b recommended: --concurrency {fits * n} ({fits} per server: vllm serve --max-num-seqs "
+                         f"{fits}), answers of {flags['gen_prompt_tokens']:,} + {flags['gen_max_tokens']:,} tokens "
+                         "stay resident"]
+
+
+def capture_lines(p: dict, gb) -> list[str]:
+    """Both paths to 02's store (plan()['capture']): the capturing server, the hours and disk of each,
+    and which is cheaper by how much."""
+    c, s = p["capture"], p["stages"]
+    row, serve, two = c["01b"], c["01b"]["serving"], c["two_pass"]
+    n_aux, H, dt = p["flags"]["n_aux"], p["target"]["hidden"], p["flags"]["kv_dtype_bytes"]
+
+    def h(x):
+        return "never" if x is None else f"{x:,.1f} h"
+
+    cache = (f"KV {serve['kv_bytes_per_token']:,} + hidden states {serve['hidden_bytes_per_token']:,} B a token "
+             f"({n_aux + 1} layers x {H:,} x {dt} B)")
+    if "concurrency" in serve:
+        fits = serve["concurrency"]
+        cache += (f" = {serve['resident_tokens']:,} tokens per GPU: --concurrency {fits * serve['servers']} "
+                  f"(vllm serve --max-num-seqs {fits})" if fits else
+                  f": not one answer of {serve['request_tokens']:,} tokens fits")
+    else:
+        cache += f": ~{serve['batch']} answers in flight (KV cache unknown: pass --weights-gb)"
+    rows = [f"01b --capture-hidden-states (no 02): {cache}; {serve['tokens_per_step']} tokens a step: "
+            f"{row['rate_tok_s']:,.0f} tok/s, {h(row['hours'])} ({row['rate_source']})",
+            f"paths to 02's store: two-pass 01b + 02 = {h(s['01b']['hours'])} + {h(s['02']['hours'])} = "
+            f"{h(two['hours'])}, disk {gb(two['disk'])}; capture {h(row['hours'])}, disk {gb(row['disk'])} "
+            f"+ up to {gb(row['scratch_disk'])} of per-request files in flight"]
+    if c["cheaper"] is None:
+        return rows + ["cheaper: neither path finishes (see 01b's servers above)"]
+    name = {"capture": "capture (01b --capture-hidden-states)", "two_pass": "two-pass (01b, then 02)"}[c["cheaper"]]
+    cheap, other = (row["hours"], two["hours"]) if c["cheaper"] == "capture" else (two["hours"], row["hours"])
+    by = ("the other never finishes" if c["saves_hours"] is None else
+          f"by {c['saves_hours']:,.1f} h (the other takes {other / cheap:.2f}x as long)")
+    return rows + [f"cheaper: {name}, {by}; disk {gb(c['saves_disk'])} less (the same answers and store)"]
 
 
 # ----------------------------------------------------------------------------- --dry-run of 02 and 04
@@ -323,7 +495,8 @@ def dry_run_train(cfg) -> int:
               attn="flex" if cfg.attn in ("auto", "flex") else cfg.attn)
     s = plan(shape, f)["stages"]["04"]
     lr = choose_lr(cfg.lr, cfg.draft_width(shape.hidden))
-    print(f"04 plan: {s['draft']} draft layer, lr {lr['lr']:g} ({lr['lr_why']}); per GPU {s['gpu_memory'] / GB:,.2f} GB at "
+    print(f"04 plan: {s['draft']} draft layer, lr {lr['lr']:g} ({lr['lr_why']}); "
+          f"per GPU {s['gpu_memory'] / GB:,.2f} GB at "
           f"{cfg.max_tokens_per_batch} tokens x {cfg.ttt_steps} TTT steps (bf16, flex on CUDA); "
           f"checkpoint {s['checkpoint'] / GB:,.2f} GB, "
           f"export {s['export_bf16'] / GB:,.2f} GB bf16 / {s['export_fp32'] / GB:,.2f} GB fp32; nothing written")
@@ -355,6 +528,13 @@ def load_shape(target: str) -> Shape:
     return Shape.from_config(text_config(load_target_config(target)))
 
 
+def local_weights_gb(target: str) -> float | None:
+    """The weight files' GB of a model folder here; None for a config file, a hub id or a folder without them."""
+    from eagle3_train.common.vllm_server import weights_gb
+
+    return weights_gb(target) or None
+
+
 def measure_data(directory: str) -> tuple[int, float, int]:
     """(samples, mean tokens per sample, data.jsonl bytes) of a tokenized set, from its manifest."""
     from eagle3_train.common.manifest import read_manifest
@@ -377,7 +557,10 @@ def run(cfg) -> int:
                   draft_arch=cfg.draft_arch, attn="flex" if cfg.attn in ("auto", "flex") else cfg.attn,
                   train_embeddings=cfg.train_embeddings,
                   train_lm_head=cfg.train_lm_head, gpus=cfg.gpus, gpu_memory_gb=cfg.gpu_memory_gb,
-                  tokenized_bytes=measured, rates=cfg.rates())
+                  tokenized_bytes=measured, rates=cfg.rates(), gen_servers=cfg.gen_servers,
+                  gen_prompt_tokens=cfg.gen_prompt_tokens, gen_max_tokens=cfg.gen_max_tokens,
+                  gpu_memory_utilization=cfg.gpu_memory_utilization,
+                  weights_gb=cfg.weights_gb if cfg.weights_gb is not None else local_weights_gb(cfg.target))
     result = plan(load_shape(cfg.target), flags)
     print(json.dumps(result, indent=1) if cfg.json else table(result))
     return 0

@@ -117,6 +117,21 @@ def is_empty_answer(sample: dict) -> bool:
     return not any(isinstance(t, str) and t.strip() for t in texts)
 
 
+def training_sequence(sample: dict, fmt, *, max_seq_len: int | None, loss_on: str,
+                      keep_length: bool) -> tuple[object | None, str | None]:
+    """01c's rule for one answer, in one place (01c and 01b's capture both follow it): its
+    tokenization.Tokenized (None if never tokenized) and, when 01c drops it, the count it drops
+    under ('dropped_length', 'dropped_empty_answer', 'dropped_no_supervised_tokens')."""
+    from eagle3_train.common.tokenization import tokenize_sample
+
+    if sample.get("finish_reason") == "length" and not keep_length:
+        return None, "dropped_length"
+    if is_empty_answer(sample):
+        return None, "dropped_empty_answer"
+    t = tokenize_sample(sample, fmt, max_seq_len=max_seq_len, loss_on=loss_on)
+    return t, None if t.num_supervised else "dropped_no_supervised_tokens"
+
+
 def check_raw_file(raw_path: Path, raw_manifest: dict, sha256: str) -> None:
     """The raw file is what its finished stage wrote: its size and hash are the ones the manifest
     recorded (manifest.describe_file). A torn last line, an appended or edited record after that
@@ -153,7 +168,6 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
     from eagle3_train.common.manifest import MANIFEST, describe_file, describe_tokenizer, write_manifest
     from eagle3_train.common.progress import Progress
     from eagle3_train.common.store import TMP_PREFIX, DirLock, JsonlWriter, clean_temp_files, file_sha256, json_sha256
-    from eagle3_train.common.tokenization import tokenize_sample
 
     raw_dir, out_dir = Path(raw_dir), Path(out_dir)
     raw_manifest = read_manifest(raw_dir, RAW_STAGE)
@@ -198,13 +212,11 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
                     seen.add(sid)
                     fr = sample.get("finish_reason")
                     finish[fr] += 1
-                    if fr == "length" and not keep_length:
-                        counts["dropped_length"] += 1
+                    t, dropped = training_sequence(sample, fmt, max_seq_len=max_seq_len, loss_on=loss_on,
+                                                   keep_length=keep_length)
+                    if t is None:
+                        counts[dropped] += 1
                         continue
-                    if is_empty_answer(sample):
-                        counts["dropped_empty_answer"] += 1
-                        continue
-                    t = tokenize_sample(sample, fmt, max_seq_len=max_seq_len, loss_on=loss_on)
                     if t.malformed:
                         malformed[t.malformed] += 1
                     if t.mismatch is not None:
@@ -213,8 +225,8 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
                     counts["text_derived"] += t.source == "text"
                     if t.num_truncated:
                         counts["truncated"] += 1
-                    if t.num_supervised == 0:
-                        counts["dropped_no_supervised_tokens"] += 1
+                    if dropped:
+                        counts[dropped] += 1
                         continue
                     if fr == "length":
                         counts["kept_length"] += 1
