@@ -44,6 +44,13 @@ Asked for by name:
            on): AL from vLLM's counters > 1.2, and eagle3 makes the target's own tokens (within 2% of
            the none arm's count). What CPU cannot show: the flex kernel on MLA's q/k width != v
            width, bf16 training, vLLM's GPU MLA backends for the draft's layer.
+  mla-flex the MLA draft at Kimi-K2.5's head sizes (q/k 192, v 128; --draft-qk-nope-head-dim 128
+           --draft-v-head-dim 128) on the Kimi twin, trained twice on the same batches with compiled
+           flex attention (issue 25): torch's default blocks for this GPU, and the small blocks a GPU
+           with ~100 KB of shared memory per block steps down to (eagle3_train.train.flex.FALLBACK[0]:
+           forward 32/32, backward 32/32/32/32, 2 stages), forced here. The two loss trajectories must
+           agree as in 04 (first step within 2%, every step within 10%), and each run's export must
+           record the options it trained with; tokens/s of both recorded.
   04-width the width ladder's top rung (issue 13): the benchmark target lifted to --width (default
            7168, Kimi-K2.5's; eagle3_testkit.widen), 02 on CUDA over the benchmark's tokenized answers
            (--width-data: copy /work/bench/01b/tokenized, made by scripts/bench/data.py, into an
@@ -89,6 +96,8 @@ STEPS = {
                 "02 --backend vllm vs hf"),
     "mla": (300, "the MLA draft on the Kimi twin: flex + fused vs sdpa + eager loss trajectories, "
                  "05 in GPU vLLM (AL, the target's own tokens)"),
+    "mla-flex": (200, "the MLA draft at q/k 192 / v 128: compiled flex with torch's default blocks vs the small "
+                      "blocks of a ~100 KB shared-memory GPU, loss trajectories"),
     "04-width": (420, "04's default lr at Kimi-K2.5's width: the benchmark target lifted to --width 7168, "
                       "0.5x / 1x / 2x / 4x the default lr, validation AL"),
 }
@@ -380,10 +389,15 @@ def fast_against_eager(work, hs, vocab, target, extra: list[str], **shape) -> di
     kl = [*extra, "--loss", "kl"]  # the fused kernel is the KL's (04's default, ce, is plain cross_entropy)
     fast = train_once(work, hs, vocab, target, "fast", kl, **shape)
     eager = train_once(work, hs, vocab, target, "eager", [*kl, "--attn", "sdpa", "--loss-impl", "eager"], **shape)
-    finite = all(math.isfinite(x) for x in fast["losses"] + eager["losses"])
-    gaps = [abs(a - b) / max(abs(b), 1e-6) for a, b in zip(fast["losses"], eager["losses"])]
-    return {"fast": fast, "eager": eager, "loss_rel_gap_first": gaps[0], "loss_rel_gap_max": max(gaps),
-            "agree": bool(finite and gaps[0] < 0.02 and max(gaps) < 0.10)}
+    return {"fast": fast, "eager": eager, **trajectories_agree(fast["losses"], eager["losses"])}
+
+
+def trajectories_agree(a: list[float], b: list[float]) -> dict:
+    """Two loss trajectories on the same batches: first step within 2%, every step within 10%."""
+    finite = all(math.isfinite(x) for x in a + b)
+    gaps = [abs(x - y) / max(abs(y), 1e-6) for x, y in zip(a, b)]
+    return {"loss_rel_gap_first": gaps[0], "loss_rel_gap_max": max(gaps),
+            "agree": bool(finite and len(a) == len(b) and gaps[0] < 0.02 and max(gaps) < 0.10)}
 
 
 def step_04(args, work: Path) -> dict:
@@ -402,15 +416,23 @@ def step_04(args, work: Path) -> dict:
     return res
 
 
-def step_mla(args, work: Path) -> dict:
-    from eagle3_testkit.fixtures import kimi_twin_dir, synthetic_training_set
-    from eagle3_testkit.tiny import synthetic_examples
+def twin_inputs(args, work: Path, target: Path) -> tuple[Path, Path]:
+    """02 (hf on CUDA) and 03 over --train-samples synthetic samples of the Kimi twin."""
+    from eagle3_testkit.fixtures import synthetic_training_set
 
-    target, work = kimi_twin_dir(), work / "mla"
     data = synthetic_training_set(work / "data", target, n=args.train_samples, seed=0)
     hs, vocab = work / "02", work / "03"
     extract_main(["--input", str(data), "--model", str(target), "--output-dir", str(hs), "--backend", "hf"])
     vocab_main(["--data", str(data), "--target", str(target), "--output-dir", str(vocab), "--draft-vocab-size", "256"])
+    return hs, vocab
+
+
+def step_mla(args, work: Path) -> dict:
+    from eagle3_testkit.fixtures import kimi_twin_dir
+    from eagle3_testkit.tiny import synthetic_examples
+
+    target, work = kimi_twin_dir(), work / "mla"
+    hs, vocab = twin_inputs(args, work, target)
     res = {"target": str(target)} | fast_against_eager(
         work, hs, vocab, target, ["--draft-arch", "mla"], steps=args.mla_steps, ttt_steps=args.mla_ttt_steps,
         max_tokens=args.max_tokens)
@@ -431,6 +453,33 @@ def step_mla(args, work: Path) -> dict:
     res["serve_ok"] = bool((spec.get("acceptance_length") or 0) > 1.2
                            and abs(made["eagle3"] - made["none"]) <= 0.02 * made["none"])
     res["ok"] = res["train_ok"] and res["serve_ok"]
+    return res
+
+
+def step_mla_flex(args, work: Path) -> dict:
+    """Compiled flex attention with the small blocks of a ~100 KB shared-memory GPU (forced through
+    flex.ladder, what flex.setup tries) against torch's defaults for this GPU, at MLA's 192/128 heads."""
+    from eagle3_testkit.fixtures import kimi_twin_dir
+    from eagle3_train.train import flex
+
+    target, work = kimi_twin_dir(), work / "mla-flex"
+    hs, vocab = twin_inputs(args, work, target)
+    arch = ["--draft-arch", "mla", "--draft-qk-nope-head-dim", "128", "--draft-v-head-dim", "128"]
+    shape = {"steps": args.mla_steps, "ttt_steps": args.mla_ttt_steps, "max_tokens": args.max_tokens}
+    small = flex.as_options(**flex.FALLBACK[0])
+    default = train_once(work, hs, vocab, target, "default", arch, **shape)
+    ladder = flex.ladder
+    flex.ladder = lambda *a, **k: [small]  # what setup tries first; its probe still runs
+    try:
+        forced = train_once(work, hs, vocab, target, "small", arch, **shape)
+    finally:
+        flex.ladder = ladder
+    used = {n: json.loads((work / n / "export" / "training_info.json").read_text()).get("flex_options", "absent")
+            for n in ("default", "small")}
+    res = {"target": str(target), "config": shape, "options": used, "default": default, "small": forced,
+           **trajectories_agree(forced["losses"], default["losses"])}
+    res["small_over_default_tokens_per_s"] = (forced["tokens_per_s"] or 0) / (default["tokens_per_s"] or 1)
+    res["ok"] = bool(res.pop("agree") and used == {"default": None, "small": small})
     return res
 
 
@@ -531,7 +580,7 @@ def step_04_width(args, work: Path) -> dict:
 
 
 RUN = {"02-twin": step_02_twin, "04": step_04, "05": step_05, "02": step_02, "mla": step_mla,
-       "04-width": step_04_width}
+       "mla-flex": step_mla_flex, "04-width": step_04_width}
 
 
 def main(argv=None) -> int:

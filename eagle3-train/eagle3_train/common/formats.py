@@ -8,8 +8,9 @@ STORAGES = (*PLAIN_STORAGES, "fp8", "fp8-topk")
 TOPK_STORAGE = "fp8-topk"
 
 # 04's --draft-arch (and 00's): the draft's decoder layer; auto = mla for an MLA target, else llama.
+# dflash is a block drafter (vLLM's `method: dflash`), not an EAGLE-3 layer: train/draft_dflash.py.
 DRAFT_LAYERS = ("llama", "qwen3", "mla")
-DRAFT_ARCHS = ("auto", *DRAFT_LAYERS)
+DRAFT_ARCHS = ("auto", *DRAFT_LAYERS, "dflash")
 
 # 04's --attn (and 00's): auto = flex on CUDA, sdpa on CPU.
 ATTNS = ("auto", "flex", "sdpa", "eager")

@@ -87,6 +87,16 @@ class TrainConfig(StageConfig):
     train_lm_head: bool = setting(False, help="train the draft lm_head too (default: frozen, the target's rows "
                                               "for the draft vocab)")
     num_speculative_tokens: int = setting(3, help="speculative tokens written into the export's config")
+    block_size: int | None = setting(None, help="dflash: queries per block, the anchor token + its mask tokens; "
+                                                "vLLM runs 1 + num_speculative_tokens of them a step (default: "
+                                                "--num-speculative-tokens + 1)")
+    block_anchors: int = setting(512, help="dflash: blocks (anchors drawn among the supervised positions) per "
+                                           "packed batch; validation drafts at every position")
+    block_gamma: float = setting(4.0, help="dflash: the loss of block position k >= 1 weighs exp(-(k-1)/gamma) "
+                                           "(DFlash's decay; speculators' default 4 for block 8)")
+    mask_token_id: int | None = setting(None, help="dflash: the id vLLM feeds to the mask slots; its embedding is "
+                                                   "trained and exported as mask_embedding.pt (default: the "
+                                                   "target's last vocab id)")
     export_dtype: str = setting("bf16", help="dtype of the exported weights (vLLM casts to its own on load; "
                                              "fp32 doubles the size)", resume=True)
 
@@ -179,6 +189,7 @@ class TrainConfig(StageConfig):
         require(self.lr is None or self.lr > 0, f"--lr must be positive, not {self.lr}")
         require(self.draft_arch in DRAFT_ARCHS,
                 f"--draft-arch must be one of {', '.join(DRAFT_ARCHS)}, not {self.draft_arch!r}")
+        self.check_block()
         set_mla = [f"--{_flag(k)}" for k, v in self.mla_dims.items() if v is not None]
         require(self.draft_arch in ("mla", "auto") or not set_mla,
                 f"{', '.join(set_mla)} shape the MLA draft layer only; add --draft-arch mla or drop them")
@@ -190,6 +201,32 @@ class TrainConfig(StageConfig):
                 f"--budget {self.budget} and --epochs {self.epochs} both set the run's length: give one")
         parse_budget(self.budget)
         self.step_weights  # noqa: B018 -- a malformed --ttt-decay is refused before any work
+
+    def check_block(self) -> None:
+        """dflash's flags: a block of at least 2 (anchor + a mask), serving no more tokens than it
+        trained; the other drafts take none of them."""
+        dflash = self.draft_arch == "dflash"
+        if not dflash:
+            asked = [f"--{_flag(k)}" for k in ("block_size", "mask_token_id") if getattr(self, k) is not None]
+            require(not asked, f"{', '.join(asked)} shape a block draft: add --draft-arch dflash or drop them")
+            return
+        require(self.block_size is None or self.block_size >= 2,
+                f"--block-size must be at least 2 (the anchor and a mask token), not {self.block_size}")
+        require(self.num_speculative_tokens <= self.blocks - 1,
+                f"--num-speculative-tokens {self.num_speculative_tokens} drafts past the block it trains "
+                f"(--block-size {self.blocks} drafts {self.blocks - 1})")
+        require(self.block_anchors >= 1, f"--block-anchors must be at least 1, not {self.block_anchors}")
+        require(self.block_gamma > 0, f"--block-gamma must be positive, not {self.block_gamma}")
+
+    @property
+    def blocks(self) -> int:
+        """dflash's block size: --block-size, or --num-speculative-tokens + 1."""
+        return self.block_size or self.num_speculative_tokens + 1
+
+    @property
+    def draft_steps(self) -> int:
+        """Draft tokens the objective and the acceptance count: TTT steps, or a block's mask slots."""
+        return self.blocks - 1 if self.draft_arch == "dflash" else self.ttt_steps
 
     def draft_width(self, target_hidden: int) -> int:
         """The draft's hidden size: --draft-hidden-size, or the target's."""

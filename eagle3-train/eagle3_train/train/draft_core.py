@@ -12,6 +12,7 @@ the target's embed/lm_head/norm weights and its frozen head, and the training-ti
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -94,18 +95,22 @@ def target_head(target_cfg, weights: dict, draft_ids: torch.Tensor | None, devic
                       draft_ids, gemma).to(device=device, dtype=dtype)
 
 
-def use_compiled_flex() -> None:
+def use_compiled_flex(options: dict | None = None) -> None:
     """Make speculators' flex attention run compiled (uncompiled flex materialises the full
     score matrix). speculators compiles its whole forward on CUDA; our unroll compiles the kernel.
-    Called only when training on CUDA with flex attention."""
+    `options`: the kernel_options every call passes (flex.kernel_options: blocks that fit this GPU's
+    shared memory; None: torch's defaults). Called only when training on CUDA with flex attention;
+    calling it again swaps the options, keeping the one compiled function."""
     import speculators.models.attention as sa
 
-    if not getattr(sa, "_eagle3_train_compiled", False):
-        # One kernel per TTT step (the key length grows) and per grad mode: more than dynamo's
-        # default of 8 recompiles, after which it would silently fall back to the slow path.
+    compiled = getattr(sa, "_eagle3_train_compiled", None)
+    if compiled is None:
+        # One kernel per TTT step (the key length grows), per grad mode and per options: more than
+        # dynamo's default of 8 recompiles, after which it would silently fall back to the slow path.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        sa.flex_attention = torch.compile(sa.flex_attention, dynamic=False)
-        sa._eagle3_train_compiled = True
+        compiled = sa._eagle3_train_compiled = torch.compile(sa.flex_attention, dynamic=False)
+    # speculators' flex_attention_forward looks `flex_attention` up in its module at each call
+    sa.flex_attention = functools.partial(compiled, kernel_options=dict(options)) if options else compiled
 
 
 def copy_target_rows(model, weights: dict | None, t2d) -> bool:

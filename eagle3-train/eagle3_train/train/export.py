@@ -39,7 +39,10 @@ def export(trainer, identity: dict) -> dict:
                 **model.kernels,
                 "args": config.to_dict()}
         # bf16 by default: a Kimi-size draft is ~9 GB in fp32, and vLLM casts to its dtype on load.
-        export_draft(draft.to(EXPORT_TORCH_DTYPES[config.export_dtype]), out / EXPORT, extra=info)
+        write = export_draft
+        if getattr(draft, "is_dflash", False):  # vLLM's method dflash, not eagle3
+            from eagle3_train.train.draft_dflash import export_dflash as write
+        write(draft.to(EXPORT_TORCH_DTYPES[config.export_dtype]), out / EXPORT, extra=info)
         curves = plot_curves(out, config.loss)
         result = write_manifest(
             out, STAGE, config=config.to_dict(), inputs=identity,
@@ -58,7 +61,7 @@ def export(trainer, identity: dict) -> dict:
                    "target_hidden_size": draft.config.target_hidden_size,
                    "draft_vocab_size": draft.config.draft_vocab_size})
         print(f"exported step {pick} to {out / EXPORT}"
-              + (f" (validation AL {best['acceptance_length']:.3f} with {config.ttt_steps} draft tokens)"
+              + (f" (validation AL {best['acceptance_length']:.3f} with {config.draft_steps} draft tokens)"
                  if best["acceptance_length"] else ""))
     d.barrier()
     return result

@@ -155,7 +155,7 @@ class Trainer:
         config, d, total_steps = self.config, self.d, self.total_steps
         # Resume from the last complete checkpoint: weights, optimizer, scheduler, RNG, the
         # metric sums of the interval it was in, and the data position (= the step).
-        meter = Meter(config.ttt_steps, self.resume())
+        meter = Meter(config.draft_steps, self.resume())
         progress = Progress(STAGE, total_steps, initial=self.step, unit="step", every_s=config.progress_every,
                             log_path=self.out / "progress.log" if d.main else None, disable=not d.main or config.quiet)
         self.recorder = recorder = Recorder(self.out, d.main, progress)
@@ -180,7 +180,7 @@ class Trainer:
                 if self.step % config.log_every == 0 or self.step == total_steps:
                     # Summed over processes: every rank takes part, rank 0 writes.
                     recorder.train(self.step, self.plan.locate(self.step - 1)[0], lr, meter.reduce(d))
-                    meter = Meter(config.ttt_steps)
+                    meter = Meter(config.draft_steps)
                 if self.checkpointer.should_save(self.step, last_step=total_steps):
                     self.validate_and_save(meter)
                 if on_step is not None:
@@ -223,7 +223,7 @@ class Trainer:
         loss, parts = 0.0, []
         for i, batch in enumerate(micro_batches):
             # Targets from the frozen head outside the wrapped model: DDP never broadcasts it.
-            batch = prepare(batch.to(d.device, d.dtype), model.head, self.config.ttt_steps, self.group_tokens)
+            batch = prepare(batch.to(d.device, d.dtype), model.head, self.config.draft_steps, self.group_tokens)
             with model.sync(last=i + 1 == len(micro_batches)):
                 with d.autocast():
                     draft_tokens, batch_loss, metrics = model.wrapped(batch)
@@ -240,13 +240,13 @@ class Trainer:
         if not self.plan.val:
             return None
         model, d, batches = self.model, self.d, self.loader.val_batches
-        meter = Meter(self.config.ttt_steps)
+        meter = Meter(self.config.draft_steps)
         mine = batches[d.rank::d.world]
         model.objective.eval()
         with torch.no_grad():
             for i in range(-(-len(batches) // d.world)):
                 batch = self.loader.collate(mine[i] if i < len(mine) else batches[0]).to(d.device, d.dtype)
-                batch = prepare(batch, model.head, self.config.ttt_steps, self.group_tokens)
+                batch = prepare(batch, model.head, self.config.draft_steps, self.group_tokens)
                 with d.autocast():
                     draft_tokens, loss, metrics = model.wrapped(batch)
                 if i < len(mine):
@@ -294,8 +294,8 @@ class Trainer:
         c = self.config
         print(f"{STAGE}: recipe: {self.total_steps} steps over {self.length['epochs']} epochs "
               f"({self.length['why']}); {c.optimizer} lr {self.lr['lr']:g} ({self.lr['lr_why']}) {c.schedule}, "
-              f"TTT {c.ttt_steps}, "
-              f"loss {c.loss}, norm_before_fc {'on' if c.norm_before_fc else 'off'}"
+              + (f"DFlash block {c.blocks}, " if c.draft_arch == "dflash" else f"TTT {c.ttt_steps}, ")
+              + f"loss {c.loss}, norm_before_fc {'on' if c.norm_before_fc else 'off'}"
               + (f"; training samples as {cut['windows']:,} windows of {c.window_tokens} positions after up to "
                  f"{c.context_tokens} of context (validation: whole samples)" if c.window_tokens else ""), flush=True)
 

@@ -38,6 +38,10 @@ def mla_dims(config: TrainConfig) -> dict:
 def make_draft(config: TrainConfig, inp: Inputs, weights: dict, attn: str = "sdpa"):
     """A fresh draft for the target, shaped by the config (weights: core.load_target_weights)."""
     arch = draft_arch(config, inp)
+    if arch == "dflash":  # a block drafter, not an EAGLE-3 layer
+        from eagle3_train.train.draft_dflash import make_dflash_draft
+
+        return make_dflash_draft(config, inp, weights, ATTN_IMPL[attn])
     dims = mla_dims(config)
     return D.build_draft(inp.target, inp.target_cfg, aux_layer_ids=inp.aux_ids,
                          d2t=torch.from_numpy(inp.mapping.d2t).long(), t2d=torch.from_numpy(inp.mapping.t2d).bool(),
@@ -72,10 +76,16 @@ class TrainModel:
 
 def build_model(config: TrainConfig, inp: Inputs, d: Dist) -> TrainModel:
     kernels = config.kernels(d.cuda)
-    if kernels["attn"] == "flex":
-        core.use_compiled_flex()
     weights = core.load_target_weights(inp.target)
     draft = make_draft(config, inp, weights, kernels["attn"])
+    if kernels["attn"] == "flex":
+        if getattr(draft, "_attn_impl", None) == ATTN_IMPL["flex"]:
+            from eagle3_train.train import flex
+
+            # blocks that fit this GPU's shared memory, checked by one small compiled step (flex.py)
+            kernels["flex_options"] = flex.setup(draft, d.device, d.dtype, main=d.main)
+        else:
+            core.use_compiled_flex()
     t2d = torch.from_numpy(inp.mapping.t2d).bool()
     draft_ids = t2d.nonzero().squeeze(1) if draft.use_draft_vocab else None
     head = None if inp.topk else core.target_head(inp.target_cfg, weights, draft_ids, d.device, d.dtype)
@@ -84,7 +94,13 @@ def build_model(config: TrainConfig, inp: Inputs, d: Dist) -> TrainModel:
         tgt2draft = torch.full((t2d.shape[0],), -1, dtype=torch.long)
         tgt2draft[draft_ids] = torch.arange(draft_ids.shape[0])
     del weights
-    objective = Objective(draft, config.ttt_steps, config.step_weights, kernels["loss_impl"], inp.topk,
-                          tgt2draft, loss=config.loss).to(d.device)
+    if config.draft_arch == "dflash":
+        from eagle3_train.train.objective_dflash import BlockObjective
+
+        objective = BlockObjective(draft, config.blocks, config.block_gamma, config.block_anchors,
+                                   kernels["loss_impl"], inp.topk, tgt2draft, loss=config.loss).to(d.device)
+    else:
+        objective = Objective(draft, config.ttt_steps, config.step_weights, kernels["loss_impl"], inp.topk,
+                              tgt2draft, loss=config.loss).to(d.device)
     to_target = core.draft_to_target(draft)
     return TrainModel(draft, head, objective, wrap(objective, config.distributed, d), kernels, to_target)

@@ -1,0 +1,199 @@
+"""The DFlash block draft (`--draft-arch dflash`), built on speculators 0.9.0's `DFlashDraftModel` /
+`DFlashSpeculatorConfig`, and served by vLLM 0.32 as `method: dflash` (qwen3_dflash.py).
+
+What it is: a Qwen3-style stack that drafts a whole block in one forward. The block's queries are
+the anchor token (the target's last accepted token, vLLM's bonus token) and block - 1 mask tokens at
+the positions after it; they attend to each other without a causal mask and to the context, whose
+keys/values are `hidden_norm(fc(concatenated aux states))` of every earlier token. Slot i >= 1 of a
+block anchored at token p drafts token p + i.
+
+- `build_dflash_draft` / `make_dflash_draft`: a fresh draft for a target (width, heads and rope from
+  draft.py's `layer_config`, the target's embed/lm_head rows from draft_core.py's `copy_target_rows`).
+- `run_blocks`: the block forward over a packed batch (the context, the anchors' blocks) as vLLM
+  computes it: the training objective (objective_dflash.py) and validation call it.
+- `export_dflash`: the speculators-format directory vLLM loads.
+
+Where speculators 0.9.0 stops or differs from what vLLM 0.32 serves:
+- its `fc` is sized `n_aux * draft_hidden`; vLLM sizes it `n_aux * target_hidden_size`, so a draft
+  narrower than the target gets `fc` rebuilt (as draft.py does for EAGLE-3);
+- vLLM turns `sliding_window_non_causal: false` (speculators' default) into `causal: true` for every
+  layer (transformers_utils/configs/speculators/algos.py:update_dflash), while speculators trains full
+  attention non-causally; the export writes `true`, so vLLM attends inside the block as trained;
+- the mask slots' input: vLLM embeds `mask_token_id` with `embed_tokens` unless the export ships a
+  `mask_embedding.pt` (qwen3_dflash.py:_read_mask_embedding). embed_tokens stays the target's frozen
+  copy here, so the mask embedding is a trained vector of its own (`mask_embedding`), shipped so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eagle3_train.common.manifest import text_config
+from eagle3_train.common.store import TMP_PREFIX, atomic_dir_commit
+
+MASK_FILE = "mask_embedding.pt"  # vLLM reads it from the draft's directory
+
+
+def build_dflash_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t: torch.Tensor | None,
+                       t2d: torch.Tensor | None, weights: dict | None, block_size: int,
+                       mask_token_id: int | None = None, hidden_size: int | None = None,
+                       intermediate_size: int | None = None, num_layers: int = 1, num_heads: int | None = None,
+                       num_kv_heads: int | None = None, speculative_tokens: int | None = None,
+                       train_embeddings: bool = False, train_lm_head: bool = False, attn_impl: str = "sdpa",
+                       init_std: float = 0.02, seed: int = 0):
+    """A fresh DFlash draft for `target`: `num_layers` Qwen3 layers, blocks of `block_size`, the mask
+    slots fed `mask_token_id` (default: the target's last vocab id) and a trained mask embedding."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    from eagle3_train.train.draft import layer_config
+    from eagle3_train.train.draft_core import copy_target_rows
+
+    tc = text_config(target_cfg)
+    # Dense masks only: a DFlash block mask is no EAGLE-3 one, and speculators' flex path for it
+    # compiles a mask builder of its own (a CUDA-only follow-up).
+    lc = layer_config(target_cfg, arch="qwen3", hidden_size=hidden_size, intermediate_size=intermediate_size,
+                      num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                      attn_impl="eager" if attn_impl == "eager" else "sdpa")
+    vocab = tc.vocab_size
+    draft_vocab = vocab if d2t is None else int(d2t.shape[0])
+    mask_id = vocab - 1 if mask_token_id is None else int(mask_token_id)
+    config = DFlashSpeculatorConfig(
+        transformer_layer_config=lc, draft_vocab_size=draft_vocab, block_size=block_size,
+        target_hidden_size=tc.hidden_size, aux_hidden_state_layer_ids=list(aux_layer_ids), mask_token_id=mask_id,
+        sliding_window_non_causal=True, sample_from_anchor=False,
+        speculators_config=SpeculatorsConfig(
+            algorithm="dflash",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=speculative_tokens or block_size - 1)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=str(target),
+                                    architectures=list(getattr(target_cfg, "architectures", None) or [])),
+        ),
+    )
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(config)
+    model.is_dflash = True
+    wide = lc.hidden_size == tc.hidden_size
+    if not wide:
+        model.fc = nn.Linear(len(aux_layer_ids) * tc.hidden_size, lc.hidden_size, bias=False)
+        nn.init.normal_(model.fc.weight, std=init_std)
+    if d2t is not None and draft_vocab != vocab:
+        model.load_vocab_mappings(t2d.bool(), d2t.long())
+    if not copy_target_rows(model, weights if wide else None, t2d):
+        with torch.no_grad():
+            nn.init.normal_(model.embed_tokens.weight, std=init_std)
+            nn.init.normal_(model.lm_head.weight, std=init_std)
+        train_embeddings = train_lm_head = True
+    # Scaled like the token embeddings the other slots carry, so the first layer's norms see alike inputs.
+    scale = float(model.embed_tokens.weight.float().std())
+    model.mask_embedding = nn.Parameter(torch.randn(lc.hidden_size) * scale)
+    # The training targets come from our own TargetHead; the model's copies are never used.
+    model.verifier_lm_head = None
+    model.verifier_norm = None
+    model.embed_tokens.weight.requires_grad_(train_embeddings)
+    model.lm_head.weight.requires_grad_(train_lm_head)
+    # vLLM shares the target's embed_tokens when the export has none: ship it only when it is the draft's own.
+    ignore = [k for k in model._keys_to_ignore_on_save if not (train_embeddings and k == "embed_tokens.weight")]
+    model.__dict__["_keys_to_ignore_on_save"] = [*ignore, "mask_embedding"]
+    return model
+
+
+def make_dflash_draft(config, inp, weights: dict | None, attn_impl: str = "sdpa"):
+    """build_dflash_draft from 04's config and inputs (train/model.py:make_draft dispatches here)."""
+    return build_dflash_draft(
+        inp.target, inp.target_cfg, aux_layer_ids=inp.aux_ids, d2t=torch.from_numpy(inp.mapping.d2t).long(),
+        t2d=torch.from_numpy(inp.mapping.t2d).bool(), weights=weights, block_size=config.blocks,
+        mask_token_id=config.mask_token_id, hidden_size=config.draft_hidden_size,
+        intermediate_size=config.draft_intermediate_size, num_layers=config.draft_layers,
+        num_heads=config.draft_heads, num_kv_heads=config.draft_kv_heads,
+        speculative_tokens=config.num_speculative_tokens, train_embeddings=config.train_embeddings,
+        train_lm_head=config.train_lm_head, attn_impl=attn_impl, seed=config.seed)
+
+
+# ----------------------------------------------------------------------------- the block forward
+
+def block_mask(doc: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Tensor:
+    """bool [1, 1, n*block, L + n*block]: block j's queries see the context rows 0..anchors[j] of
+    their document (row i holds the aux state of the token before input i, so row anchors[j] is the
+    anchor token's predecessor: what vLLM's context holds when it drafts after the anchor) and every
+    query of their own block (non-causal); nothing of other blocks."""
+    n, length = anchors.numel(), doc.shape[0]
+    q_anchor = anchors.repeat_interleave(block)
+    kv = torch.arange(length, device=doc.device)
+    ctx = (doc[None, :] == doc[q_anchor][:, None]) & (doc[None, :] >= 0) & (kv[None, :] <= q_anchor[:, None])
+    blk = torch.arange(n, device=doc.device).repeat_interleave(block)
+    own = blk[:, None] == blk[None, :]
+    return torch.cat([ctx, own], dim=1)[None, None]
+
+
+def run_blocks(model, aux: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor,
+               anchors: torch.Tensor) -> torch.Tensor:
+    """The final-normed states [n, block, H] of the blocks anchored at `anchors` (indices into one
+    packed stretch: aux [1, L, n_aux*H_target], ids / pos [1, L], doc [L]). Anchor j's block is the
+    token ids[anchors[j]] then block - 1 mask slots, at positions pos[anchors[j]] + 0..block-1; the
+    context row i sits at pos[i] - 1 (its token's own position, as vLLM's context positions)."""
+    block = model.block_size
+    ctx = model.hidden_norm(model.fc(aux))
+    n = anchors.numel()
+    with torch.set_grad_enabled(torch.is_grad_enabled() and model.embed_tokens.weight.requires_grad):
+        first = model.embed_tokens(ids[0, anchors])
+    q = torch.cat([first[:, None], model.mask_embedding.to(first.dtype).expand(n, block - 1, -1)], dim=1)
+    q_pos = pos[0, anchors][:, None] + torch.arange(block, device=pos.device)
+    positions = torch.cat([pos[0] - 1, q_pos.reshape(-1)])[None]
+    rope = model.rotary_emb(ctx, positions)
+    mask = block_mask(doc, anchors, block)
+    hidden = q.reshape(1, n * block, -1)
+    for layer in model.layers:
+        hidden = layer(target_hidden=ctx, hidden_states=hidden, attention_mask=mask, position_ids=positions,
+                       position_embeddings=rope)
+    return model.norm(hidden).view(n, block, -1)
+
+
+# ----------------------------------------------------------------------------- export
+
+def export_dflash(model, out_dir: Path, *, extra: dict | None = None) -> Path:
+    """Write the speculators-format directory vLLM serves with `method: dflash` (config.json,
+    model.safetensors, mask_embedding.pt) atomically, and check what vLLM relies on is in it."""
+    from safetensors import safe_open
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.parent / f"{TMP_PREFIX}{out_dir.name}"
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    c = model.config
+    cfg = json.loads((tmp / "config.json").read_text())
+    want = {"speculators_model_type": "dflash", "aux_hidden_state_layer_ids": list(c.aux_hidden_state_layer_ids),
+            "mask_token_id": c.mask_token_id, "draft_vocab_size": c.draft_vocab_size,
+            "target_hidden_size": c.target_hidden_size, "sample_from_anchor": False,
+            "sliding_window_non_causal": True}
+    for key, val in want.items():
+        if cfg.get(key) != val:
+            raise RuntimeError(f"export config.json has {key}={cfg.get(key)!r}, expected {val!r}")
+    if cfg["transformer_layer_config"].get("model_type") != "qwen3":
+        raise RuntimeError("export config.json: vLLM's DFlash draft is a qwen3 stack")
+    with safe_open(str(tmp / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    need = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    need |= {f"layers.{i}.self_attn.{n}.weight" for i in range(len(model.layers)) for n in ("q_norm", "k_norm")}
+    if model.use_draft_vocab:
+        need |= {"lm_head.weight", "d2t", "t2d"}
+    if model.embed_tokens.weight.requires_grad:
+        need.add("embed_tokens.weight")
+    if missing := need - keys:
+        raise RuntimeError(f"export weights lack {sorted(missing)}")
+    if stray := {k for k in keys if "mask" in k}:
+        raise RuntimeError(f"export weights carry {sorted(stray)}: the mask embedding belongs in {MASK_FILE}")
+    mask = model.mask_embedding.detach().to("cpu", model.fc.weight.dtype).clone()
+    torch.save({"mask_token_id": int(c.mask_token_id), "embedding": mask}, tmp / MASK_FILE)
+    if extra:
+        (tmp / "training_info.json").write_text(json.dumps(extra, indent=2, sort_keys=True, default=str) + "\n")
+    atomic_dir_commit(tmp, out_dir)
+    return out_dir
