@@ -1,7 +1,7 @@
 """The whole pipeline on the bundled tiny trained target, on this CPU, in real vLLM.
 
     bash scripts/demo.sh                    # setup, then this script with its defaults
-    uv run python scripts/demo.py [--out runs/demo] [--quick]
+    uv run python scripts/demo.py [--quick] [--kimi-twin] [--out DIR]
 
   prompts  synthetic questions: a training set and a held-out set (other seeds)
   01b      vLLM serves the tiny target; its answers -> raw_responses.jsonl, then tokenized/
@@ -11,7 +11,9 @@
   05       acceptance: simulated offline, and measured in vLLM (eagle3 vs none vs ngram)
 
 Every stage resumes by itself, so rerunning the demo after an interruption continues where it
-stopped; a finished stage is a no-op. Everything goes under --out (default runs/demo).
+stopped; a finished stage is skipped when its manifest matches this run (target, sizes), and
+another run's finished stage is refused (eagle3_train/pilot/driver.py). Everything goes under
+--out: one default directory per profile (runs/demo, runs/demo-quick, runs/demo-kimi-twin[-quick]).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,12 +30,11 @@ from eagle3_testkit.fixtures import REPO_ROOT, kimi_twin_dir, tiny_reasoner_dir
 from eagle3_testkit.tiny import write_prompt_file
 from eagle3_train.common.config import EVALUATE as EVAL_STAGE
 from eagle3_train.common.config import TRAIN as TRAIN_STAGE
-from eagle3_train.common.errors import PipelineError, run_main
+from eagle3_train.common.errors import run_main
 from eagle3_train.common.hidden_store import STAGE as STORE_STAGE
-from eagle3_train.common.manifest import is_complete as complete
 from eagle3_train.common.store import atomic_write_text
-from eagle3_train.common.vllm_server import die_with_parent
 from eagle3_train.generate.stage import STAGE as GEN_STAGE
+from eagle3_train.pilot.driver import Driver, Output, Step
 from eagle3_train.tokenize.dataset import STAGE as TOKENIZE_STAGE
 from eagle3_train.vocab.mapping import STAGE as VOCAB_STAGE
 
@@ -50,9 +50,17 @@ PROFILES = {
 }
 
 
+def default_out(args) -> Path:
+    """One directory per profile (runs/demo, runs/demo-quick, runs/demo-kimi-twin[-quick], or
+    runs/demo-<target> for --target): a run never lands in another profile's finished stages."""
+    name = "demo" + (f"-{args.target.name}" if args.target else "-kimi-twin" if args.kimi_twin else "")
+    return REPO_ROOT / "runs" / (name + ("-quick" if args.quick else ""))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "demo", help="(default: runs/demo)")
+    p.add_argument("--out", type=Path, help="(default: runs/demo, runs/demo-quick with --quick, runs/demo-kimi-twin "
+                                            "with --kimi-twin, runs/demo-<name> with --target)")
     p.add_argument("--quick", action="store_true", help="fewer prompts and levels (the CI end-to-end run)")
     p.add_argument("--target", type=Path, help="target model dir (default: the bundled assets/tiny-reasoner)")
     p.add_argument("--kimi-twin", action="store_true",
@@ -61,24 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--budget", help="04's --budget, e.g. 80 (steps) for a shorter CI run (default: 04's own rule)")
     for key, val in PROFILES["full"].items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(val), help=f"override the profile (full: {val})")
-    return p.parse_args(argv)
-
-
-def banner(i: int, n: int, name: str, what: str) -> None:
-    line = "=" * 78
-    print(f"\n{line}\n[demo {i}/{n}] {name}: {what}\n{line}", flush=True)
-
-
-def run(cmd: list, log: Path, *, ok=(0,)) -> int:
-    """One stage as its own process (as a user would run it); its output goes to the terminal."""
-    print("$ " + " ".join(str(c) for c in cmd), flush=True)
-    with open(log, "a") as f:
-        f.write(f"$ {' '.join(map(str, cmd))}\n")
-    rc = subprocess.call([str(c) for c in cmd], preexec_fn=die_with_parent())
-    if rc not in ok:
-        raise PipelineError(f"{Path(cmd[1]).name} exited with {rc}; fix the cause and rerun the demo "
-                            "(finished work is kept)")
-    return rc
+    args = p.parse_args(argv)
+    args.out = args.out or default_out(args)
+    return args
 
 
 def write_prompts(path: Path, n: int, seed: int) -> None:
@@ -90,13 +83,6 @@ def write_prompts(path: Path, n: int, seed: int) -> None:
         return
     atomic_write_text(path, tmp.read_text())
     tmp.unlink()
-
-
-def save_summary(path: Path, times: dict, **extra) -> dict:
-    """Stage times so far (they add up over interrupted and resumed runs) + the final figures."""
-    summary = {"stages_s": {k: round(v) for k, v in times.items()}, "total_s": round(sum(times.values())), **extra}
-    atomic_write_text(path, json.dumps(summary, indent=2) + "\n")
-    return summary
 
 
 def main(argv=None):
@@ -111,15 +97,12 @@ def main(argv=None):
     serve = ["--server-arg=--dtype=bfloat16", "--server-arg=--attention-backend=AMX_MLA"] if args.kimi_twin else []
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    log = out / "demo.log"
+    drv = Driver(out, "demo", flag="--out", summary=out / "demo_summary.json")
     py = sys.executable
     d = {name: out / name for name in ("prompts", "01b", "02", "03", "04", "05")}
     tokenized = d["01b"] / "tokenized"
     train_prompts, heldout = d["prompts"] / "train.jsonl", d["prompts"] / "heldout.jsonl"
-    summary_path = out / "demo_summary.json"
-    # Stage times add up over resumed runs, so the summary tells what the whole pipeline took.
-    times: dict[str, float] = dict((json.loads(summary_path.read_text()) if summary_path.exists() else {})
-                                   .get("stages_s", {}))
+    levels = [int(c) for c in str(prof["concurrency"]).split(",")]
     t_all = time.monotonic()
 
     def prompts():
@@ -132,69 +115,62 @@ def main(argv=None):
 
         d["01b"].mkdir(parents=True, exist_ok=True)
         srv = VllmServer(target, served_name="tiny-reasoner", max_model_len=1024, log_path=d["01b"] / "vllm.log")
-        print(f"[demo] starting vLLM (log: {srv.log_path}): {srv.command_line()}", flush=True)
-        with srv:
-            cmd = [py, STAGES / "01b_generate_synthetic.py", "--input", train_prompts, "--output-dir", d["01b"],
-                   "--base-url", srv.base_url, "--model", "tiny-reasoner",
-                   "--concurrency", prof["gen_concurrency"], "--max-tokens", prof["max_tokens"],
-                   "--temperature", 0, "--seed", 0, "--timeout", 600, "--tokenize", "--tokenizer", target]
-            if run(cmd, log, ok=(0, 1)) == 1:  # 1 = some ids failed after retries: one more pass
-                print("[demo] retrying the ids that failed", flush=True)
-                run(cmd, log)
+        drv.generate([py, STAGES / "01b_generate_synthetic.py", "--input", train_prompts, "--output-dir", d["01b"],
+                      "--base-url", srv.base_url, "--model", "tiny-reasoner",
+                      "--concurrency", prof["gen_concurrency"], "--max-tokens", prof["max_tokens"],
+                      "--temperature", 0, "--seed", 0, "--timeout", 600, "--tokenize", "--tokenizer", target], srv)
 
-    stages = [
-        ("prompts", f"{prof['train_prompts']} training + {prof['heldout_prompts']} held-out questions",
-         [], prompts),
-        ("01b_generate_synthetic", f"the target ({target.name}) answers them in vLLM, then tokenize",
-         [(d["01b"], GEN_STAGE), (tokenized, TOKENIZE_STAGE)], gen),
-        ("02_extract_hidden_states", "the target's hidden states at the auxiliary layers -> shards",
-         [(d["02"], STORE_STAGE)],
-         lambda: run([py, STAGES / "02_extract_hidden_states.py", "--input", tokenized, "--model", target,
-                      "--output-dir", d["02"], "--backend", "hf", "--shard-mb", 64], log)),
-        ("03_build_vocab_mapping", "the draft vocabulary and its coverage", [(d["03"], VOCAB_STAGE)],
-         lambda: run([py, STAGES / "03_build_vocab_mapping.py", "--data", tokenized, "--target", target,
-                      "--output-dir", d["03"], "--draft-vocab-size", 256], log)),
+    # What a finished stage's manifest must say for this run to skip it (the driver refuses another's).
+    made_for = {"config.target": target}
+    steps = [
+        Step("prompts", f"{prof['train_prompts']} training + {prof['heldout_prompts']} held-out questions", prompts),
+        Step("01b_generate_synthetic", f"the target ({target.name}) answers them in vLLM, then tokenize", gen,
+             (Output(d["01b"], GEN_STAGE, {"config.input": train_prompts, "config.tokenizer": target,
+                                           "config.max_tokens": prof["max_tokens"],
+                                           "counts.requested": prof["train_prompts"]}),
+              Output(tokenized, TOKENIZE_STAGE, {"tokenizer.name_or_path": target}))),
+        Step("02_extract_hidden_states", "the target's hidden states at the auxiliary layers -> shards",
+             lambda: drv.call([py, STAGES / "02_extract_hidden_states.py", "--input", tokenized, "--model", target,
+                               "--output-dir", d["02"], "--backend", "hf", "--shard-mb", 64]),
+             (Output(d["02"], STORE_STAGE, {"config.model": target}),)),
+        Step("03_build_vocab_mapping", "the draft vocabulary and its coverage",
+             lambda: drv.call([py, STAGES / "03_build_vocab_mapping.py", "--data", tokenized, "--target", target,
+                               "--output-dir", d["03"], "--draft-vocab-size", 256]),
+             (Output(d["03"], VOCAB_STAGE, {**made_for, "config.draft_vocab_size": 256}),)),
         # 04's own recipe (optimizer, lr, epochs for the data size, TTT): no recipe flags here.
-        ("04_train", "train the EAGLE-3 draft with 04's default recipe, export it for vLLM", [(d["04"], TRAIN_STAGE)],
-         lambda: run([py, STAGES / "04_train.py", "--hidden-states", d["02"], "--vocab-mapping", d["03"],
-                      "--target", target, "--output-dir", d["04"], "--num-speculative-tokens", 3,
-                      "--max-tokens-per-batch", 1024, "--val-fraction", 0.1, "--save-every", 50,
-                      *(["--budget", args.budget] if args.budget else [])], log)),
-        ("05_evaluate", "acceptance offline, then in vLLM: eagle3 vs none vs ngram", [(d["05"], EVAL_STAGE)],
-         lambda: run([py, STAGES / "05_evaluate.py", "--draft", d["04"] / "export", "--target", target,
-                      "--store", d["02"], "--prompts", heldout, "--output-dir", d["05"],
-                      "--num-prompts", prof["heldout_prompts"], "--concurrency", prof["concurrency"],
-                      "--arms", prof["arms"], "--max-tokens", prof["max_tokens"], "--max-model-len", 1024, *serve],
-                     log)),
+        Step("04_train", "train the EAGLE-3 draft with 04's default recipe, export it for vLLM",
+             lambda: drv.call([py, STAGES / "04_train.py", "--hidden-states", d["02"], "--vocab-mapping", d["03"],
+                               "--target", target, "--output-dir", d["04"], "--num-speculative-tokens", 3,
+                               "--max-tokens-per-batch", 1024, "--val-fraction", 0.1, "--save-every", 50,
+                               *(["--budget", args.budget] if args.budget else [])]),
+             (Output(d["04"], TRAIN_STAGE, {**made_for, "config.budget": args.budget}),)),
+        Step("05_evaluate", "acceptance offline, then in vLLM: eagle3 vs none vs ngram",
+             lambda: drv.call([py, STAGES / "05_evaluate.py", "--draft", d["04"] / "export", "--target", target,
+                               "--store", d["02"], "--prompts", heldout, "--output-dir", d["05"],
+                               "--num-prompts", prof["heldout_prompts"], "--concurrency", prof["concurrency"],
+                               "--arms", prof["arms"], "--max-tokens", prof["max_tokens"], "--max-model-len", 1024,
+                               *serve]),
+             (Output(d["05"], EVAL_STAGE, {**made_for, "config.num_prompts": prof["heldout_prompts"],
+                                           "config.concurrency": levels, "config.arms": prof["arms"],
+                                           "config.max_tokens": prof["max_tokens"]}),)),
     ]
-    n = len(stages) + 1
-    for i, (name, what, outputs, fn) in enumerate(stages, 1):
-        banner(i, n, name, what)
-        if outputs and all(complete(o, s) for o, s in outputs):
-            # Each stage would resume by itself; a finished one is skipped outright.
-            print(f"[demo] {name} already complete ({outputs[-1][0] / 'manifest.json'}); skipped", flush=True)
-            continue
-        t0 = time.monotonic()
-        fn()
-        key = name.split("_")[0]
-        times[key] = times.get(key, 0.0) + time.monotonic() - t0
-        save_summary(summary_path, times)
-        print(f"[demo] {name} done in {time.monotonic() - t0:.0f} s", flush=True)
+    drv.preflight(steps)  # another run's finished stage: refused before the prompts are rewritten
+    n = len(steps) + 1
+    for i, step in enumerate(steps, 1):
+        drv.run(i, n, step)
 
-
-    banner(n, n, "report", f"{d['05'] / 'report.md'} (plot: {d['05'] / 'acceptance.png'})")
+    drv.banner(n, n, "report", f"{d['05'] / 'report.md'} (plot: {d['05'] / 'acceptance.png'})")
     print((d["05"] / "report.md").read_text(), flush=True)
     rep = json.loads((d["05"] / "report.json").read_text())
     spec = rep["online"]["arms"].get("eagle3", {}).get("spec") or {}
-    summary = save_summary(summary_path, times, acceptance_length_vllm=spec.get("acceptance_length"),
-                           acceptance_length_offline=(rep.get("offline") or {}).get("acceptance_length"),
-                           profile="quick" if args.quick else "full", target=str(target))
-    print(f"[demo] pipeline time {summary['total_s'] / 60:.1f} min ("
-          + ", ".join(f"{k} {v:.0f}s" for k, v in times.items())
-          + f"); this run {(time.monotonic() - t_all) / 60:.1f} min. Summary: {summary_path}", flush=True)
+    summary = drv.save(acceptance_length_vllm=spec.get("acceptance_length"),
+                       acceptance_length_offline=(rep.get("offline") or {}).get("acceptance_length"),
+                       profile="quick" if args.quick else "full", target=str(target))
+    drv.say(f"pipeline time {summary['total_s'] / 60:.1f} min ({drv.timings()}); this run "
+            f"{(time.monotonic() - t_all) / 60:.1f} min. Summary: {drv.summary}")
     if spec.get("acceptance_length"):
-        print(f"[demo] vLLM's mean acceptance length for the trained draft: {spec['acceptance_length']:.2f} "
-              f"(1.00 = no draft token accepted; at most {rep['k'] + 1})", flush=True)
+        drv.say(f"vLLM's mean acceptance length for the trained draft: {spec['acceptance_length']:.2f} "
+                f"(1.00 = no draft token accepted; at most {rep['k'] + 1})")
     return 0
 
 

@@ -11,6 +11,7 @@
   target_layout.py  where a checkpoint keeps its language model (Kimi-K2.5 wrapper), serve flags
   tokenization.py   THE tokenization: sample -> input_ids + loss_mask (every stage)
   mismatch.py       returned ids vs the re-wrapped text: where they differ and of which kind
+  screen.py         01b's answers screened for garbled output (the pilot)
   prompts.py        prompt sets (JSONL/JSON/saved/hub) -> id + messages
   client.py         the openai-SDK client: timeouts, retries with backoff, preflight
   vllm_server.py    start/stop a real vLLM server, /metrics, which model runner it took
