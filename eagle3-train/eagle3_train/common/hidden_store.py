@@ -351,3 +351,109 @@ def human_bytes(n: float) -> str:
 
 def shard_tokens_for(shard_mb: float, bpt: int) -> int:
     return max(1, math.floor(shard_mb * 1024 * 1024 / bpt))
+
+
+# ----------------------------------------------------------------------------- a store still being written
+# 04 --follow trains on a store while its producer (02, or 01b's capture mode) writes it. The producer
+# writes HEADER before its first shard: what the manifest will say about the store's format, so a
+# follower checks the store belongs with its other inputs before the manifest exists. The producer
+# holds the store's shard bytes under a bound (wait_for_room) while the follower deletes the shards
+# it has trained (04 --consume).
+
+HEADER = "header.json"
+HEADER_KEYS = ("target", "tokenizer", "layer_ids", "aux_layer_ids", "last_layer_id", "hidden_size", "storage",
+               "dtype")
+
+
+def read_header(directory: Path) -> dict | None:
+    """The store's format: its manifest once complete, else the producer's HEADER; None when neither
+    is there yet."""
+    directory = Path(directory)
+    if (directory / "manifest.json").exists():
+        return read_manifest(directory, STAGE)
+    path = directory / HEADER
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PipelineError(f"{path} is not valid JSON ({e.msg}); rerun the producer (02) to rewrite it") from None
+
+
+def store_bytes(directory: Path) -> int:
+    """Bytes of the store's shard files on disk, committed or being written (the producer's bound)."""
+    total = 0
+    for p in Path(directory).iterdir():
+        name = p.name.removeprefix(TMP_PREFIX)
+        if name.startswith("shard-") and name.endswith(".safetensors"):
+            try:
+                total += p.stat().st_size
+            except FileNotFoundError:  # consumed (or renamed) meanwhile
+                pass
+    return total
+
+
+def note(log_path: Path | None, stage: str, text: str) -> None:
+    """One line on stdout and in progress.log (the waits of a producer and a follower)."""
+    import datetime as dt
+
+    print(f"{stage}: {text}", flush=True)
+    if log_path is not None and Path(log_path).parent.is_dir():
+        now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        with open(log_path, "a") as f:
+            f.write(f"{now} {stage} {text}\n")
+
+
+def wait_for_room(directory: Path, limit: int, ahead: int, *, log_path: Path | None, stage: str,
+                  every_s: float = 30.0, poll_s: float = 0.5) -> float:
+    """Back-pressure: return once the shard bytes on disk plus `ahead` (estimated bytes computed but
+    not yet on disk) are within `limit`, so the store never holds more than `limit` plus the shard
+    about to be made. Returns the seconds waited (the wait shows in progress.log)."""
+    t0 = last = time.monotonic()
+    said = False
+    while (used := store_bytes(directory)) + ahead > limit:
+        now = time.monotonic()
+        if not said or now - last >= every_s:
+            note(log_path, stage, f"waiting for room: store {human_bytes(used)} + {human_bytes(ahead)} in flight "
+                                  f"> --max-store-gb {limit / 1e9:g} GB; resumes as 04 --follow --consume trains "
+                                  "and deletes shards")
+            said, last = True, now
+        time.sleep(poll_s)
+    waited = time.monotonic() - t0
+    if said:
+        note(log_path, stage, f"room again after {waited:.0f} s: store {human_bytes(used)}")
+    return waited
+
+
+class GrowingStore(HiddenStates):
+    """A store still being written, for 04 --follow: its format from read_header, its samples those of
+    the shards `add`ed so far (each by its index entry; a shard may live in another directory, like
+    04's copies of held-out samples), and `forget` closing a shard before it is deleted. The LRU of
+    open shards is shared by the training loader thread and the main thread: a lock guards it."""
+
+    def __init__(self, directory: Path, header: dict, *, dtype: torch.dtype = torch.float32):
+        import threading
+
+        self.directory = Path(directory)
+        self.manifest = header
+        self.dtype = dtype
+        self._where = {}
+        self.ids = []
+        self._open = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, entry: dict, directory: Path | None = None, only: set | None = None) -> None:
+        path = str(Path(directory or self.directory) / entry["shard"])
+        for sid, off, n in zip(entry["ids"], entry["offsets"], entry["lengths"]):
+            if only is None or sid in only:
+                if sid not in self._where:
+                    self.ids.append(sid)
+                self._where[sid] = (path, off, n)
+
+    def forget(self, path: str) -> None:
+        with self._lock:  # a deleted file stays on disk while it is open (mapped)
+            self._open.pop(str(path), None)
+
+    def _file(self, shard: str):
+        with self._lock:
+            return super()._file(shard)

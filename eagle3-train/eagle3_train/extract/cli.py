@@ -46,6 +46,7 @@ def parse_args(argv=None) -> ExtractConfig:
     st.add_argument("--storage", choices=STORAGES, **C.arg("storage"))
     st.add_argument("--topk", type=int, **C.arg("topk"))
     st.add_argument("--shard-mb", type=float, **C.arg("shard_mb"))
+    st.add_argument("--max-store-gb", type=float, **C.arg("max_store_gb"))
 
     bt = p.add_argument_group("batching and parallelism")
     bt.add_argument("--batch-tokens", type=int, **C.arg("batch_tokens"))

@@ -86,6 +86,10 @@ class ExtractConfig(StageConfig):
         "more flags for the printed/launched server, one string, e.g. "
         "'--gpu-memory-utilization 0.85 --enforce-eager' (default: none)"))
 
+    max_store_gb: float | None = setting(None, resume=True, help=(
+        "back-pressure for 04 --follow --consume: send no new work while the store's shards on disk exceed "
+        "this many GB (1e9 bytes); the store then never holds more than it plus one shard (default: no bound)"))
+
     # checks
     force: bool = setting(False, resume=True, help="start even if the disk estimate says it will not fit")
     validate_only: bool = setting(False, resume=True, help=(
@@ -104,6 +108,8 @@ class ExtractConfig(StageConfig):
                             ("--max-batch-size", self.max_batch_size), ("--concurrency", self.concurrency),
                             ("--max-num-batched-tokens", self.max_num_batched_tokens)):
             require(value > 0, f"{flag} must be positive, not {value}")
+        require(self.max_store_gb is None or self.max_store_gb > 0,
+                f"--max-store-gb must be positive, not {self.max_store_gb}")
         require(self.progress_every >= 0, f"--progress-every must not be negative, not {self.progress_every}")
         require(not (self.validate_only and self.repair), "--validate and --repair exclude each other")
         self.input = Path(self.input)

@@ -31,7 +31,7 @@ from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.hidden_checks import validate_shard
 from eagle3_train.common.manifest import MANIFEST, describe_tokenizer, write_manifest
 from eagle3_train.common.progress import Progress
-from eagle3_train.common.store import ByteDigest, DirLock, clean_temp_files
+from eagle3_train.common.store import ByteDigest, DirLock, atomic_write_json, clean_temp_files
 from eagle3_train.common.target import target_info
 from eagle3_train.common.target_layout import check_hf_loadable, check_vocab
 from eagle3_train.tokenize.dataset import TrainingSet
@@ -266,8 +266,11 @@ def _run_locked(cfg, out: Path, rank: int, world: int, backend_factory, *, overw
     made_of = {"input_sha256": inp.sha256, "target": target, "aux_layer_ids": aux_ids, "topk": topk,
                "shard_tokens": hs.shard_tokens_for(cfg.shard_mb, bpt)}
     rerun.prepare(cfg, made_of, overwrite=overwrite, log=lambda m: print(m, file=sys.stderr))
-    plan = hs.load_or_create_plan(out, lambda: hs.make_plan(
-        [(sid, inp.lengths[sid]) for sid in inp.ids], made_of["shard_tokens"]))
+    # Each shard's sample lengths ride along: 04 --follow packs its batches from plan.json before the
+    # shards exist.
+    plan = hs.load_or_create_plan(out, lambda: [
+        s | {"lengths": [inp.lengths[i] for i in s["ids"]]}
+        for s in hs.make_plan([(sid, inp.lengths[sid]) for sid in inp.ids], made_of["shard_tokens"])])
     vcheck = {"storage": cfg.storage, "n_aux": len(aux_ids), "hidden": H, "topk": topk}
 
     if cfg.validate_only:
@@ -297,9 +300,17 @@ def _run_locked(cfg, out: Path, rank: int, world: int, backend_factory, *, overw
         print(f"{out} is already complete ({plan['samples']} samples); nothing to do")
         return 0
     need = sum(s["tokens"] for s in pending) * bpt
+    bound = int(cfg.max_store_gb * 1e9) if cfg.max_store_gb else None
+    if bound is not None:  # the store never holds more than the bound and the shard being made
+        need = min(need, bound + max((s["tokens"] for s in pending), default=0) * bpt)
     disk_check(out, need, force=cfg.force,
                what=f"{sum(s['tokens'] for s in pending)} tokens x {bpt} bytes/token ({cfg.storage})")
 
+    # What the manifest will say of the format, before the first shard: 04 --follow checks it.
+    header = {"target": target, "tokenizer": tokenizer, "layer_ids": [*aux_ids, N], "aux_layer_ids": aux_ids,
+              "last_layer_id": N, "hidden_size": H, "storage": storage, "dtype": storage.get("aux")}
+    if pending and not (out / hs.HEADER).exists():
+        atomic_write_json(out / hs.HEADER, {"stage": hs.STAGE, "complete": False, **header})
     runner = None  # vLLM's model runner, when this run launched the server that extracted
     if pending:
         if world == 1:
@@ -313,7 +324,8 @@ def _run_locked(cfg, out: Path, rank: int, world: int, backend_factory, *, overw
         runner = getattr(backend, "model_runner", None)
         try:
             extract_shards(backend, inp, pending, out, storage=cfg.storage, aux_ids=aux_ids, N=N,
-                           index=hs.index_name(rank, world), progress_every=cfg.progress_every)
+                           index=hs.index_name(rank, world), progress_every=cfg.progress_every,
+                           max_store=bound, bytes_per_token=bpt)
         finally:
             backend.close()
 
@@ -329,9 +341,7 @@ def _run_locked(cfg, out: Path, rank: int, world: int, backend_factory, *, overw
               "supervised_tokens": inp.manifest.get("counts", {}).get("supervised_tokens")}
     write_manifest(out, hs.STAGE, config=cfg.to_dict(), inputs={"training_set": inp.describe()},
                    outputs={"shards": [e["shard"] for e in entries]}, counts=counts,
-                   target=target, tokenizer=tokenizer, layer_ids=[*aux_ids, N], aux_layer_ids=aux_ids,
-                   last_layer_id=N, hidden_size=H, storage=storage, dtype=storage.get("aux"),
-                   backend=cfg.backend, vllm_model_runner=runner,
+                   **header, backend=cfg.backend, vllm_model_runner=runner,
                    layer_convention=("id i = residual stream entering layer i; "
                                      f"id {N} = last layer output before the final norm"))
     print(f"wrote {len(entries)} shards ({hs.human_bytes(counts['bytes'])}, {counts['tokens']} tokens, "
@@ -350,8 +360,11 @@ def make_backend(cfg, *, num_layers: int, aux_ids: Sequence[int], max_len: int |
 
 
 def extract_shards(backend, inp: InputSet, shards: Sequence[dict], out: Path, *, storage: str,
-                   aux_ids: Sequence[int], N: int, index: str, progress_every: float = 30.0) -> None:
-    """Compute and commit `shards` in order; the write of shard k overlaps the compute of k+1."""
+                   aux_ids: Sequence[int], N: int, index: str, progress_every: float = 30.0,
+                   max_store: int | None = None, bytes_per_token: int = 0) -> None:
+    """Compute and commit `shards` in order; the write of shard k overlaps the compute of k+1. With
+    `max_store` (bytes), no shard's work is sent while the store's shards on disk and the one being
+    written exceed it (hidden_store.wait_for_room): a follower that consumes shards makes room."""
     total = sum(len(s["ids"]) for s in shards)
     meta = {"storage": storage, "layer_ids": [*aux_ids, N]}
     with Progress("02 extract", total, unit="sample", log_path=out / "progress.log", every_s=progress_every) as bar, \
@@ -363,9 +376,18 @@ def extract_shards(backend, inp: InputSet, shards: Sequence[dict], out: Path, *,
         upcoming = inp.records(shards[0]["ids"]) if shards else []
         for i, shard in enumerate(shards):
             records, upcoming = upcoming, inp.records(shards[i + 1]["ids"]) if i + 1 < len(shards) else []
+            ahead = 0
+            if max_store is not None:
+                writing_bytes = 0 if writing is None or writing.done() else shards[i - 1]["tokens"] * bytes_per_token
+                hs.wait_for_room(out, max_store, writing_bytes, log_path=out / "progress.log", stage="02 extract",
+                                 every_s=progress_every)
+                ahead = writing_bytes + shard["tokens"] * bytes_per_token
             if prefetch is not None:
                 prefetch(records)
-                prefetch(upcoming)
+                # the next shard's requests go out early only when the bound has room for it too
+                if max_store is None or hs.store_bytes(out) + ahead + sum(
+                        len(r["input_ids"]) for r in upcoming) * bytes_per_token <= max_store:
+                    prefetch(upcoming)
             parts: list[dict[str, torch.Tensor]] = []
             for batch in backend.batches(records):
                 res = backend.run(batch)

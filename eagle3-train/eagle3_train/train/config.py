@@ -34,12 +34,14 @@ LOSSES = ("kl", "ce")
 # one forward, 256 5.1x, 1024 3.1x; 512 leaves room for samples longer than the benchmark's.
 DENSE_GROUP_TOKENS = 512
 SCHEDULE = "schedule.json"  # the run's chosen length (recipe.choose_length), kept so a resume keeps it
+HELDOUT = "heldout"  # --follow --consume: copies of the held-out samples of shards it deletes
 
 
 @dataclass(kw_only=True)
 class TrainConfig(StageConfig):
     stage: ClassVar[str] = TRAIN
-    outputs: ClassVar[tuple[str, ...]] = (METRICS, CKPT_DIR, EXPORT, "curves.png", "progress.log", SCHEDULE)
+    outputs: ClassVar[tuple[str, ...]] = (METRICS, CKPT_DIR, EXPORT, "curves.png", "progress.log", SCHEDULE,
+                                          HELDOUT)
     claims: ClassVar[tuple[str, ...]] = (CKPT_DIR, EXPORT)
 
     # -- inputs (their directories may move: their manifests' hashes identify them, see inputs.py)
@@ -153,6 +155,15 @@ class TrainConfig(StageConfig):
                                              "(split.is_heldout, the rule 03 and 05 use)")
     val_max_samples: int | None = setting(500, help="validate on at most this many held-out samples")
     seed: int = setting(0, help="initialisation and data order")
+    follow: bool = setting(False, help="train on a store still being written (02 or 01b's capture mode): shards in "
+                                       "the order its index commits them, one pass, waiting when none is ready; "
+                                       "validation on the held-out ids of the shards reached so far (default: off)")
+    consume: bool = setting(False, help="with --follow: delete each shard once all its samples are trained and a "
+                                        "checkpoint records it (held-out samples are copied to OUT/heldout first), "
+                                        "making room for a producer bound by --max-store-gb (default: off)")
+    follow_timeout: float = setting(3600.0, resume=True,
+                                    help="with --follow: seconds without a new shard before stopping with a line "
+                                         "naming the producer's progress.log (default: 3600)")
 
     # -- hardware and distribution
     device: str = setting("auto", help="auto = CUDA when available")
@@ -200,6 +211,13 @@ class TrainConfig(StageConfig):
         require(self.budget is None or self.epochs is None,
                 f"--budget {self.budget} and --epochs {self.epochs} both set the run's length: give one")
         parse_budget(self.budget)
+        require(not self.consume or self.follow, "--consume deletes shards as --follow trains them: add --follow")
+        require(self.follow_timeout > 0, f"--follow-timeout must be positive, not {self.follow_timeout}")
+        if self.follow:  # one pass over the data as it arrives (a consumed shard is gone)
+            require(self.epochs in (None, 1) and self.budget is None,
+                    "--follow trains one pass over the shards as they arrive: drop --epochs/--budget "
+                    "(--max-steps stops earlier)")
+            self.epochs = 1
         self.step_weights  # noqa: B018 -- a malformed --ttt-decay is refused before any work
 
     def check_block(self) -> None:

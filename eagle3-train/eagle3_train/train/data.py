@@ -92,7 +92,7 @@ def pieces(ids: list[str], lengths: dict[str, int], n: int, c: int, lookahead: i
            max_sample: int | None = None) -> tuple[list[tuple], dict[tuple, int]]:
     """`ids` as windows (a sample cut to `max_sample` first): pieces (sid, a, b, loss_from, loss_to),
     the tokens [a, b) of sample sid whose draft positions [loss_from, loss_to) carry the loss, and
-    their lengths in tokens. `lookahead` (TTT steps) tokens past a window's loss range come with it,
+    their lengths in tokens. `lookahead` (the draft's steps) tokens past a window's loss range come with it,
     unsupervised, so its last positions' later steps still have their input and target tokens."""
     out, sizes = [], {}
     for sid in ids:
@@ -213,6 +213,28 @@ class Plan:
         return len(self.epochs), 0
 
 
+def train_units(train: list[str], lengths: dict[str, int], config: TrainConfig) -> tuple[list, dict, int | None]:
+    """What batches pack: the training samples, or their windows (--window-tokens); their sizes, and
+    the --max-sample-tokens cut pack still applies (None for windows: cut already)."""
+    if not config.window_tokens:
+        return train, lengths, config.max_sample_tokens
+    # The lookahead is the draft's steps: TTT steps, or a block draft's mask slots (block - 1).
+    units, sizes = pieces(train, lengths, config.window_tokens, config.context_tokens, config.draft_steps,
+                          config.max_sample_tokens)
+    return units, sizes, None
+
+
+def cut_summary(train: list[str], val: list[str], lengths: dict, units: list, sizes: dict, cut: int | None,
+                config: TrainConfig) -> dict:
+    """Plan.cut: what --max-sample-tokens cuts of train and val, the batches of their own, the longest."""
+    cap, max_sample = config.max_tokens_per_batch, config.max_sample_tokens
+    return {"train": cut_report(train, lengths, max_sample), "val": cut_report(val, lengths, max_sample),
+            "own_batch": sum(shifted(sizes[u], cut) > cap for u in units)
+            + sum(shifted(lengths[i], max_sample) > cap for i in val),
+            "windows": len(units) if config.window_tokens else None,
+            "longest": max(shifted(lengths[i], max_sample) for i in train + val)}
+
+
 def make_plan(store, config: TrainConfig, per_step: int, epochs: int | None = None) -> Plan:
     """The split, and each of `epochs` (default --epochs, else 1) epochs' packed batches in their
     order (epoch e's depends only on the seed and e, so a longer plan extends a shorter one)."""
@@ -221,20 +243,12 @@ def make_plan(store, config: TrainConfig, per_step: int, epochs: int | None = No
     if not train:
         raise PipelineError(f"no training samples in {config.hidden_states} after holding out "
                             f"{len(val)} for validation (--val-fraction {config.val_fraction})")
-    cap, max_sample = config.max_tokens_per_batch, config.max_sample_tokens
-    units, sizes, cut = train, lengths, max_sample
-    if config.window_tokens:
-        units, sizes = pieces(train, lengths, config.window_tokens, config.context_tokens, config.ttt_steps,
-                              max_sample)
-        cut = None  # the pieces are cut already
+    cap = config.max_tokens_per_batch
+    units, sizes, cut = train_units(train, lengths, config)
     epochs = [pack(units, sizes, cap, random.Random(f"{config.seed}:{e}"), max_sample=cut)
               for e in range(epochs or config.epochs or 1)]
-    plan = Plan(train, val, dropped, epochs, per_step,
-                {"train": cut_report(train, lengths, max_sample), "val": cut_report(val, lengths, max_sample),
-                 "own_batch": sum(shifted(sizes[u], cut) > cap for u in units)
-                 + sum(shifted(lengths[i], max_sample) > cap for i in val),
-                 "windows": len(units) if config.window_tokens else None,
-                 "longest": max(shifted(lengths[i], max_sample) for i in train + val)}, lengths)
+    plan = Plan(train, val, dropped, epochs, per_step, cut_summary(train, val, lengths, units, sizes, cut, config),
+                lengths)
     if plan.steps_in(0) == 0:
         raise PipelineError(f"{len(train)} training samples make {len(epochs[0])} batches of "
                             f"{cap} tokens, fewer than one step needs ({per_step} = processes x "
@@ -254,8 +268,7 @@ class Loader:
         # Flex attention's block masks (and compiled kernels) want one fixed length, a multiple of
         # 128 (a batch holding one longer sample gets its own, see collate).
         self.pad_to = -(-self.cap // 128) * 128 if attn == "flex" else None
-        self.val_batches = pack(plan.val, {i: store.length(i) for i in plan.val}, self.cap, None,
-                                max_sample=self.max_sample)
+        self.val_batches = pack(plan.val, plan.lengths, self.cap, None, max_sample=self.max_sample)
 
     def step(self, step: int) -> list[Batch] | None:
         epoch, in_epoch = self.plan.locate(step)

@@ -36,7 +36,12 @@ def open_inputs(config: TrainConfig, dtype: torch.dtype = torch.float32) -> Inpu
     from eagle3_train.common.target import load_target_config
     from eagle3_train.vocab import mapping as vocab
 
-    store = HiddenStates(Path(config.hidden_states), dtype=dtype)
+    if config.follow:  # a store still being written: its header now, its shards as they come
+        from eagle3_train.train.follow import open_growing
+
+        store = open_growing(config, dtype)
+    else:
+        store = HiddenStates(Path(config.hidden_states), dtype=dtype)
     mapping = vocab.read_mapping(Path(config.vocab_mapping))
     target_cfg = load_target_config(config.target)
     tc = text_config(target_cfg)
@@ -59,13 +64,16 @@ def open_inputs(config: TrainConfig, dtype: torch.dtype = torch.float32) -> Inpu
     if missing:
         raise PipelineError(f"layer ids mismatch: {store.directory} holds aux layers {stored_aux}, "
                             f"but the draft config asks for {aux_ids}")
-    if not store.ids:
-        raise PipelineError(f"{store.directory} holds no samples")
-    check_shards(store.directory)
-    first = read_sample(store, store.ids[0])
-    if first.last is None and first.topk_ids is None:
-        raise PipelineError(f"{store.directory} has neither last hidden states nor top-k targets")
-    topk = first.last is None  # 02's compact option keeps the target's top-k instead
+    if config.follow:  # its shards come later (or are consumed already): the header says what they hold
+        topk = not store.has_last
+    else:
+        if not store.ids:
+            raise PipelineError(f"{store.directory} holds no samples")
+        check_shards(store.directory)
+        first = read_sample(store, store.ids[0])
+        if first.last is None and first.topk_ids is None:
+            raise PipelineError(f"{store.directory} has neither last hidden states nor top-k targets")
+        topk = first.last is None  # 02's compact option keeps the target's top-k instead
     target = str(Path(config.target).resolve()) if Path(config.target).exists() else config.target
     return Inputs(store, mapping, target, target_cfg, aux_ids, [stored_aux.index(i) for i in aux_ids], topk)
 
@@ -93,5 +101,13 @@ def input_identity(inp: Inputs, vocab_mapping: str) -> dict:
     def manifest(d):
         return {"manifest_identity": manifest_identity(d)}
 
-    return {"hidden_states": manifest(inp.store.directory), "vocab_mapping": manifest(vocab_mapping),
+    from eagle3_train.common.hidden_store import GrowingStore
+
+    if isinstance(inp.store, GrowingStore):  # followed: its manifest comes last
+        from eagle3_train.train.follow import follow_identity
+
+        store = {"follow_identity": follow_identity(inp.store.directory)}
+    else:
+        store = manifest(inp.store.directory)
+    return {"hidden_states": store, "vocab_mapping": manifest(vocab_mapping),
             "target": target_identity(describe_target(inp.target_cfg, inp.target))}

@@ -80,11 +80,19 @@ class Trainer:
     def __init__(self, config: TrainConfig, d: Dist, inp: Inputs, out: Path):
         self.config, self.d, self.inp, self.out = config, d, inp, out
         per_step = d.world * config.grad_accum
-        first = make_plan(inp.store, config, per_step, epochs=1)  # one epoch's steps decide how many
+        self.follow = None  # --follow: the growing store's shards, in arrival order (follow.py)
+        if config.follow:
+            from eagle3_train.train.follow import Follow, FollowLoader
+
+            self.follow = Follow(config, inp.store, out, per_step, d)
+            first, loader = self.follow.plan, FollowLoader
+        else:
+            first, loader = make_plan(inp.store, config, per_step, epochs=1), Loader  # one epoch decides the steps
         self.model = build_model(config, inp, d)
         self.lr = self.choose_lr()
         self.optimizers = build_optimizers(config, self.model.objective, d.cuda, self.lr["lr"])
-        self.loader = Loader(inp.store, first, config, inp.aux_index, d.rank, d.world, self.model.kernels["attn"])
+        self.loader = loader(inp.store, first, config, inp.aux_index, d.rank, d.world, self.model.kernels["attn"])
+        self.loader.follow = self.follow
         self.group_tokens = config.resolve_group_tokens(self.model.kernels["attn"], d.world)
         self.length = self.choose_length(first)
         self.plan = first if self.length["epochs"] == 1 else make_plan(inp.store, config, per_step,
@@ -170,7 +178,11 @@ class Trainer:
         self.model.objective.train()
         try:
             while self.step < total_steps:
-                micro_batches = upcoming.result()
+                if self.follow is None:
+                    micro_batches = upcoming.result()
+                else:  # waiting for a shard, it may checkpoint to delete the trained ones
+                    micro_batches = self.follow.batches_for(upcoming, self.step,
+                                                            lambda: self.validate_and_save(meter, validate=False))
                 if self.step + 1 < total_steps:
                     upcoming = prefetch.submit(self.loader.step, self.step + 1)
                 loss, metrics, grad_norm, lr = self.train_step(micro_batches)
@@ -186,6 +198,8 @@ class Trainer:
                 if on_step is not None:
                     on_step(self.step)
         finally:
+            if self.follow is not None:
+                self.follow.stop()  # a loader waiting for a shard gives up
             prefetch.shutdown(wait=True, cancel_futures=True)
             recorder.close("finished" if self.step >= total_steps else f"stopped at step {self.step}")
 
@@ -198,6 +212,8 @@ class Trainer:
         for sched, sd in zip(self.schedulers, state.get("schedulers") or [state["scheduler"]], strict=True):
             sched.load_state_dict(sd)
         self.step, self.best = state["step"], state["best"]
+        if self.follow is not None:
+            self.follow.restore(state.get("follow"))
         if state.get("per_step") != self.plan.per_step and self.d.main:
             print(f"note: {self.checkpointer.resumed_from.name} was made with {state.get('per_step')} batches "
                   f"per step, this run uses {self.plan.per_step}; the data order from here differs from the "
@@ -254,10 +270,15 @@ class Trainer:
         model.objective.train()
         return meter.reduce(d)
 
-    def validate_and_save(self, meter: Meter) -> None:
-        """Validate, keep the best, checkpoint (the best is never pruned)."""
-        val = self.validate()
-        if val is not None and better(val, self.best):
+    def validate_and_save(self, meter: Meter, validate: bool = True) -> None:
+        """Validate, keep the best, checkpoint (the best is never pruned). --follow: on the held-out
+        samples reached so far, the best only among checkpoints that saw all; --consume deletes the
+        shards this checkpoint records as trained once it is committed."""
+        complete = True
+        if self.follow is not None and validate:
+            self.loader.val_batches, complete = self.follow.val_batches(self.step)
+        val = self.validate() if validate else None
+        if val is not None and complete and better(val, self.best):
             self.best = {"step": self.step, "acceptance_length": val["acceptance_length"], "loss": val["loss"]}
         epoch, in_epoch = self.plan.locate(self.step)
         position = {"epoch": epoch, "batches_in_epoch": in_epoch * self.plan.per_step}
@@ -266,9 +287,13 @@ class Trainer:
                  "per_step": self.plan.per_step, **position}
         summary = {"step": self.step, **position, "total_steps": self.total_steps, "val": val, "best": self.best,
                    "world_size": self.d.world, "time": time.time()}
+        if self.follow is not None:  # the arrival order a resume replays, the shards consumed
+            state["follow"] = summary["follow"] = self.follow.state(self.step)
         path = self.checkpointer.save(self.step, self.model.objective, self.optimizers, state, summary,
                                       {self.best["step"]} if self.best["step"] else set())
         self.recorder.checkpoint(self.step, path, val)
+        if self.follow is not None:
+            self.follow.consume()
 
     def announce(self) -> None:
         if not self.d.main:
@@ -291,6 +316,8 @@ class Trainer:
               + f", loss {model.kernels['loss_impl']}; "
               f"{'top-k' if self.inp.topk else 'hidden-state'} targets"
               + (f"; resuming at step {self.step}" if self.step else ""))
+        if self.follow is not None:
+            print(self.follow.announce(), flush=True)
         c = self.config
         print(f"{STAGE}: recipe: {self.total_steps} steps over {self.length['epochs']} epochs "
               f"({self.length['why']}); {c.optimizer} lr {self.lr['lr']:g} ({self.lr['lr_why']}) {c.schedule}, "

@@ -1,0 +1,362 @@
+"""04 --follow: train on a hidden-state store while its producer (02, or 01b's capture mode) still
+writes it, and with --consume delete each shard once it is trained, so both ends stay within a disk
+bound (02 --max-store-gb).
+
+The data order: the producer's plan.json fixes every shard's samples and lengths before the first
+shard exists, so the split (data.split_ids: the held-out rule by id, the same ids as 04 on the
+finished store), each shard's packed batches (seeded by the shard) and the number of steps are known
+at the start. The batches are the shards' batches in the order 04 takes the shards: the order the
+store's index commits them (one index file: its line order; several producer ranks' files: shard
+order, which every rank of a torchrun agrees on without talking). Each checkpoint records that
+arrival order, and a resume replays it, so a rerun trains the batches the interrupted run did.
+
+Validation: on the held-out ids of the shards the stream has reached by that step (all of them at
+the last step, which first waits for every shard); the best checkpoint is chosen only among those
+that saw every held-out sample. With --consume the held-out samples of a shard are copied to
+OUT/heldout when it is taken (only they: the set is at most --val-max-samples).
+
+Consumption: a checkpoint records the shards whose batches are all trained by its step as consumed;
+once it is committed they are deleted (a resume deletes any a kill left). A resume starts from that
+step, so it never needs a deleted shard and never trains a sample twice. A single process that waits
+for a shard while it holds trained ones checkpoints (without validating) to delete them: the producer
+may be waiting for that room.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import random
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle3_train.common import hidden_store as hs
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.store import clean_temp_files
+from eagle3_train.train.config import HELDOUT, STAGE, TrainConfig
+from eagle3_train.train.data import Loader, Plan, cut_summary, pack, split_ids, train_units
+
+POLL_S = 0.25  # how often a waiting follower looks at the index
+
+
+def unit_sample(u) -> str:
+    return u if isinstance(u, str) else u[0]
+
+
+def wait_for(get, *, what: str, directory: Path, timeout: float, log_path: Path | None, every_s: float):
+    """get() until it is not None, saying so now and then; past `timeout` one clear error line."""
+    t0 = last = time.monotonic()
+    said = False
+    while (found := get()) is None:
+        now = time.monotonic()
+        if now - t0 > timeout:
+            raise PipelineError(f"{what} for {timeout:.0f} s (--follow-timeout): is its producer still running? "
+                                f"see {Path(directory) / 'progress.log'}")
+        if not said or now - last >= every_s:
+            hs.note(log_path, STAGE, f"waiting: {what}")
+            said, last = True, now
+        time.sleep(POLL_S)
+    return found
+
+
+def read_plan(directory: Path) -> dict | None:
+    path = Path(directory) / hs.PLAN
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as e:
+        raise PipelineError(f"{path} is not valid JSON ({e.msg}); rerun its producer (02)") from None
+
+
+def open_growing(config: TrainConfig, dtype: torch.dtype) -> hs.GrowingStore:
+    """The store to follow, once its producer has written its header (or manifest) and plan."""
+    directory = Path(config.hidden_states)
+    if not directory.is_dir() and not directory.parent.is_dir():
+        raise PipelineError(f"--hidden-states {directory}: neither it nor its parent exists")
+    def ready():
+        if (directory / hs.PLAN).exists() and (header := hs.read_header(directory)) is not None:
+            return header
+        return None
+
+    header = wait_for(ready, what=f"no {hs.HEADER} and {hs.PLAN} in {directory} yet", directory=directory,
+                      timeout=config.follow_timeout, log_path=None, every_s=config.progress_every)
+    return hs.GrowingStore(directory, header, dtype=dtype)
+
+
+def follow_identity(directory: Path) -> str:
+    """What a followed store is for a resume: its format and its plan (the manifest comes too late)."""
+    header = hs.read_header(directory) or {}
+    plan = read_plan(directory) or {}
+    body = {"header": {k: header.get(k) for k in hs.HEADER_KEYS}, "shards": plan.get("shards")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclass
+class FollowPlan(Plan):
+    """A Plan whose one epoch is the stream of batches, growing as shards are taken; its length is
+    known from plan.json from the start."""
+    batches_total: int = 0
+
+    def steps_in(self, e: int) -> int:
+        return self.batches_total // self.per_step if e == 0 else 0
+
+
+class FollowLoader(Loader):
+    """A Loader whose step waits until the stream holds the step's batches."""
+
+    follow: Follow
+
+    def step(self, step: int):
+        self.follow.ensure((step + 1) * self.plan.per_step)
+        return super().step(step)
+
+
+class Follow:
+    """The shards of a growing store, taken in arrival order into one stream of batches; what a
+    checkpoint records (`state`), a resume replays (`restore`), and --consume deletes (`consume`)."""
+
+    def __init__(self, config: TrainConfig, store: hs.GrowingStore, out: Path, per_step: int, d):
+        self.config, self.store, self.out, self.d = config, store, Path(out), d
+        self.dir = store.directory
+        plan = read_plan(self.dir)
+        self.shards = {int(s["k"]): s for s in plan["shards"]}
+        lengths = {}
+        for s in plan["shards"]:
+            if "lengths" not in s:
+                raise PipelineError(f"{self.dir / hs.PLAN} lists no sample lengths (made by an older 02): "
+                                    "--follow packs batches from them; let 02 finish and train without --follow, "
+                                    "or rerun 02 with --overwrite")
+            lengths |= dict(zip(s["ids"], s["lengths"], strict=True))
+        train, val, dropped = split_ids(sorted(lengths), lengths, config.val_fraction, config.val_max_samples)
+        if not train:
+            raise PipelineError(f"no training samples in {self.dir} after holding out {len(val)} for validation "
+                                f"(--val-fraction {config.val_fraction})")
+        self.train_ids, self.val_ids = set(train), set(val)
+        units, sizes, cut = train_units(train, lengths, config)
+        by_sample: dict[str, list] = {}
+        for u in units:
+            by_sample.setdefault(unit_sample(u), []).append(u)
+        # Each shard's batches depend on its samples and the seed only: the same in any arrival order.
+        self.batches = {k: pack([u for sid in s["ids"] for u in by_sample.get(sid, [])], sizes,
+                                config.max_tokens_per_batch, random.Random(f"{config.seed}:shard-{k}"),
+                                max_sample=cut)
+                        for k, s in self.shards.items()}
+        self.stream: list = []
+        self.plan = FollowPlan(train, val, dropped, [self.stream], per_step,
+                               cut_summary(train, val, lengths, units, sizes, cut, config), lengths,
+                               batches_total=sum(len(b) for b in self.batches.values()))
+        if self.plan.total_steps == 0:
+            raise PipelineError(f"{len(train)} training samples make {self.plan.batches_total} batches of "
+                                f"{config.max_tokens_per_batch} tokens, fewer than one step needs ({per_step} = "
+                                "processes x --grad-accum); lower --max-tokens-per-batch or add data")
+        self.arrivals: list[int] = []  # shards taken, in order
+        self.start: dict[int, int] = {}  # shard -> its first batch's position in the stream
+        self.replay: list[int] = []  # a resumed run's recorded arrivals, taken first
+        self.consumed: set[int] = set()
+        self.heldout = self.out / HELDOUT
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.waiting = False
+        self.said = 0.0
+        self.pending: set[int] = set()  # trained shards the checkpoint being saved consumes
+        self.log_path = self.out / "progress.log" if d.main else None
+        self.last_new = time.monotonic()
+        if config.consume and d.main:
+            self.heldout.mkdir(parents=True, exist_ok=True)
+            clean_temp_files(self.heldout)
+
+    # -- arrival
+
+    def next_entry(self) -> dict | None:
+        """The next shard to take (its index entry), or None while it is not committed."""
+        committed = hs.committed_shards(self.dir)
+        if len(self.arrivals) < len(self.replay):
+            return committed.get(self.replay[len(self.arrivals)])
+        taken = set(self.arrivals)
+        if len(list(self.dir.glob("index*.jsonl"))) > 1:  # several producer ranks: shard order
+            k = min(k for k in self.shards if k not in taken)
+            return committed.get(k)
+        for e in committed.values():  # one index: commit order (entries come sorted by it)
+            if e["k"] not in taken and e["k"] in self.shards:
+                return e
+        return None
+
+    def take(self, entry: dict) -> None:
+        k = entry["k"]
+        if entry["ids"] != self.shards[k]["ids"]:
+            raise PipelineError(f"{entry['shard']} of {self.dir} holds other samples than its {hs.PLAN} lists; "
+                                "rerun 02 with --validate")
+        if k in self.consumed:
+            self.use_heldout(k)  # its training batches lie before the resumed step
+        else:
+            self.store.add(entry)
+            if self.config.consume and self.d.main:
+                self.copy_heldout(entry)
+        with self.lock:
+            self.start[k] = len(self.stream)
+            self.stream.extend(self.batches[k])
+            self.arrivals.append(k)
+        self.last_new = time.monotonic()
+
+    def ensure(self, n: int) -> None:
+        """Take shards until the stream holds `n` batches (or every shard is taken), waiting for
+        the producer when the next one is not committed yet."""
+        while len(self.stream) < n and len(self.arrivals) < len(self.shards):
+            if self.stopping.is_set():
+                raise PipelineError("stopped while waiting for shards")
+            entry = self.next_entry()
+            if entry is not None:
+                self.waiting = False
+                self.take(entry)
+                continue
+            self.wait()
+
+    def finish(self) -> None:
+        """Every shard taken: the last validation sees every held-out sample."""
+        self.ensure(self.plan.batches_total + 1)
+
+    def wait(self) -> None:
+        now = time.monotonic()
+        committed = len(set(hs.committed_shards(self.dir)) & set(self.shards))
+        if now - self.last_new > self.config.follow_timeout:
+            raise PipelineError(f"no new shard in {self.dir} for {self.config.follow_timeout:.0f} s "
+                                f"(--follow-timeout; {committed} of {len(self.shards)} committed, "
+                                f"{len(self.arrivals)} trained from): is the producer still running? see "
+                                f"{self.dir / 'progress.log'}")
+        if self.d.main and (not self.waiting or now - self.said >= self.config.progress_every):
+            hs.note(self.log_path, STAGE, f"waiting for shards: {committed} of {len(self.shards)} committed, "
+                                          f"{len(self.arrivals)} taken (producer: {self.dir / 'progress.log'})")
+            self.said = now
+        self.waiting = True
+        time.sleep(POLL_S)
+
+    def batches_for(self, future, step: int, save):
+        """A prefetched step's batches, the trainer being at `step`; while the loader waits for a
+        shard, a single process that holds trained, unconsumed shards checkpoints (`save`) so they
+        are deleted (under torchrun the ranks would have to agree when: --save-every does it)."""
+        while True:
+            try:
+                return future.result(timeout=POLL_S)
+            except FutureTimeout:
+                if self.config.consume and self.waiting and self.d.world == 1 and self.trained(step) - self.consumed:
+                    save()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    # -- validation
+
+    def val_ready(self, step: int) -> list[str]:
+        """The held-out ids validation at `step` reads: those of the shards the stream reached
+        before it (a function of the arrival order, not of timing); all of them at the end of the pass."""
+        last = step >= self.plan.total_steps
+        if last:
+            self.finish()
+        with self.lock:
+            reached = [k for k in self.arrivals if self.start[k] < step * self.plan.per_step or last]
+        ids = {sid for k in reached for sid in self.shards[k]["ids"]}
+        return [sid for sid in self.plan.val if sid in ids]
+
+    def val_batches(self, step: int) -> tuple[list, bool]:
+        """(validation batches at `step`, whether they hold every held-out sample)."""
+        ids = self.val_ready(step)
+        cfg = self.config
+        return (pack(ids, self.plan.lengths, cfg.max_tokens_per_batch, None, max_sample=cfg.max_sample_tokens),
+                len(ids) == len(self.plan.val))
+
+    # -- consumption
+
+    def trained(self, step: int) -> set[int]:
+        """Shards every batch of which lies before `step` (all taken ones once the pass is over)."""
+        done = step * self.plan.per_step
+        with self.lock:
+            if step >= self.plan.total_steps and len(self.arrivals) == len(self.shards):
+                return set(self.arrivals)
+            return {k for k in self.arrivals
+                    if (self.start[k] + len(self.batches[k]) <= done if self.batches[k] else self.start[k] < done)}
+
+    def state(self, step: int) -> dict:
+        """What a checkpoint at `step` records: the arrival order, and (--consume) the shards it
+        consumes; `consume()` deletes them once the checkpoint is committed."""
+        with self.lock:
+            arrivals = list(self.arrivals)
+        if self.config.consume:
+            self.pending = self.trained(step) - self.consumed
+        return {"arrivals": arrivals, "consumed": sorted(self.consumed | self.pending)}
+
+    def consume(self) -> None:
+        for k in sorted(self.pending):
+            self.consumed.add(k)
+            self.delete(k)
+        self.pending = set()
+        if self.d.main and self.config.consume and len(self.consumed) == len(self.shards):
+            self.close_heldout()
+
+    def close_heldout(self) -> None:
+        """OUT/heldout as a complete store of the held-out samples (the producer's format and
+        counts of what it holds), so 05 --store reads it once the store itself is consumed."""
+        from eagle3_train.common.manifest import write_manifest
+
+        entries = hs.committed_shards(self.heldout)
+        header = {k: self.store.manifest.get(k) for k in hs.HEADER_KEYS}
+        write_manifest(self.heldout, hs.STAGE, config={"copied_from": str(self.dir), "by": f"{STAGE} --consume"},
+                       outputs={"shards": [e["shard"] for e in entries.values()]},
+                       counts={"samples": sum(len(e["ids"]) for e in entries.values()),
+                               "tokens": sum(e["tokens"] for e in entries.values()), "shards": len(entries)},
+                       **header)
+
+    def delete(self, k: int) -> None:
+        path = self.dir / hs.shard_name(k)
+        self.store.forget(str(path))
+        self.use_heldout(k)
+        if self.d.main:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def use_heldout(self, k: int) -> None:
+        """Read shard k's held-out samples from their copy (its source is or will be deleted)."""
+        entry = hs.committed_shards(self.heldout).get(k) if self.heldout.is_dir() else None
+        if entry is not None:
+            self.store.add(entry, self.heldout)
+
+    def copy_heldout(self, entry: dict) -> None:
+        """Shard k's held-out samples, their rows as stored (bit for bit), into OUT/heldout."""
+        from safetensors import safe_open
+
+        k = entry["k"]
+        rows = [(sid, off, n) for sid, off, n in zip(entry["ids"], entry["offsets"], entry["lengths"])
+                if sid in self.val_ids]
+        if not rows or k in hs.committed_shards(self.heldout):
+            return
+        f = safe_open(str(self.dir / entry["shard"]), framework="pt")
+        meta = json.loads((f.metadata() or {}).get(hs.SHARD_META, "{}"))
+        meta = {key: v for key, v in meta.items() if key not in ("ids", "offsets", "lengths")}
+        tensors = {name: torch.cat([f.get_slice(name)[off: off + n] for _, off, n in rows]) for name in f.keys()}
+        hs.write_shard(self.heldout, k, [{"id": sid, "length": n} for sid, _, n in rows], tensors, meta=meta)
+
+    def restore(self, state: dict | None) -> None:
+        """A resume: replay the recorded arrivals; finish deleting what the checkpoint consumed."""
+        if not state:
+            return
+        self.replay = list(state.get("arrivals") or [])
+        self.consumed = set(state.get("consumed") or [])
+        if self.d.main:
+            for k in self.consumed:
+                with contextlib.suppress(FileNotFoundError):
+                    (self.dir / hs.shard_name(k)).unlink()
+            if self.config.consume and len(self.consumed) == len(self.shards):
+                self.close_heldout()  # a kill came between the last checkpoint and this
+
+    def announce(self) -> str:
+        committed = len(set(hs.committed_shards(self.dir)) & set(self.shards))
+        return (f"{STAGE}: following {self.dir}: {committed} of {len(self.shards)} shards committed, one pass of "
+                f"{self.plan.total_steps} steps in their commit order"
+                + ("; each shard is deleted once trained and checkpointed" if self.config.consume else "")
+                + (f"; replaying {len(self.replay)} recorded arrivals" if self.replay else ""))
