@@ -302,3 +302,29 @@ def test_05_refuses_a_speculating_server_as_the_no_speculation_baseline(tmp_path
         script.main(["--draft", str(draft_dir), "--prompts", str(prompts), "--output-dir", str(tmp_path / "e"),
                      "--url", f"none={eagle3_server.base_url}", "--arms", "none", "--concurrency", "1",
                      "--max-tokens", "8"])
+
+
+def test_k_sweep_recommends_the_fastest_k_and_ties_go_to_the_smaller():
+    """RULE: highest output tok/s at the lowest concurrency level; within TIE of the best is a tie,
+    won by the smaller K. Per level too; speedups over arm none where it ran."""
+    from eagle3_train.evaluate.report import TIE, build_report, recommend_k, render_markdown
+
+    assert recommend_k({1: 10.0, 3: 14.0, 5: 13.0}) == 3
+    assert recommend_k({3: 14.0 * (1 - TIE / 2), 5: 14.0}) == 3  # a tie: the smaller K
+    assert recommend_k({3: 14.0 * (1 - 2 * TIE), 5: 14.0}) == 5
+
+    def arm(al, tok):
+        return {"spec": {"acceptance_length": al, "per_position_rate": [], "drafts": 10},
+                "levels": [{"concurrency": c, "output_tok_s": v} for c, v in tok.items()]}
+
+    run = {"k": 3, "draft": {"path": "d"}, "target": {"name_or_path": "t"},
+           "online": {"concurrency": [1, 8], "sampling": {}}}
+    arms = {"eagle3": arm(2.0, {1: 20.0, 8: 50.0}), "none": arm(None, {1: 10.0, 8: 40.0})}
+    sweep = {1: arm(1.5, {1: 15.0, 8: 60.0}), 3: arms["eagle3"], 5: arm(2.4, {1: 19.0, 8: 45.0})}
+    rep = build_report(run, None, arms, sweep, "dflash")
+    sw = rep["k_sweep"]
+    assert (sw["recommended_k"], sw["recommended_k_by_concurrency"], sw["ks"]) == (3, [3, 1], [1, 3, 5])
+    assert [r["speedup_vs_none"] for r in sw["by_k"]] == [[1.5, 1.5], [2.0, 1.25], [1.9, 1.125]]
+    md = render_markdown(rep)
+    assert "| 3 (recommended) | 2.000 | - | 20.0 (2.00x) | 50.0 (1.25x) |" in md and "c=8: K=1" in md
+    assert build_report(run, None, arms)["k_sweep"] is None

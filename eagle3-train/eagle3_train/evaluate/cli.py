@@ -53,6 +53,7 @@ def parse_args(argv=None) -> EvalConfig:
     g.add_argument("--prompts", type=Path, **C.arg("prompts"))
     g.add_argument("--num-prompts", type=int, **C.arg("num_prompts"))
     g.add_argument("--concurrency", type=_ints, **C.arg("concurrency"))
+    g.add_argument("--k-sweep", type=_ints, metavar="K,K,...", **C.arg("k_sweep"))
     g.add_argument("--arms", **C.arg("arms"))
     g.add_argument("--base-url", **C.arg("base_url"))
     g.add_argument("--url", action="append", metavar="ARM=URL", **C.arg("url"))

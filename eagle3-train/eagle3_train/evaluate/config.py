@@ -11,7 +11,9 @@ from typing import ClassVar
 from eagle3_train.common.config import EVALUATE, StageConfig, require, setting
 from eagle3_train.common.vllm_server import STARTUP_HELP
 
-ARMS = ("eagle3", "none", "ngram")  # 05's online arms: the draft, no speculation, prompt lookup
+# 05's online arms: the draft (named eagle3 for any draft family: a DFlash draft is served with
+# method dflash in it), no speculation, prompt lookup
+ARMS = ("eagle3", "none", "ngram")
 OFFLINE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 
@@ -28,6 +30,12 @@ class EvalConfig(StageConfig):
     overwrite: bool = setting(False, help="move the previous output aside and start over "
                                           "(default: resume it, or refuse one made with other settings)", resume=True)
     num_speculative_tokens: int | None = setting(None, help="K, drafted tokens per step (default: the draft config's)")
+    k_sweep: list[int] = setting(default_factory=list, help="serve the draft at each of these K too "
+                                                            "(comma-separated, e.g. 1,3,5,7; a DFlash draft of "
+                                                            "block B up to B - 1; a --url eagle3 server is the one at "
+                                                            "K, the others are started here): AL and output tok/s per "
+                                                            "K, and the K to serve recommended, also written to "
+                                                            "DRAFT/recommended_k.json (default: K alone)")
     progress_every: float = setting(10.0, help="seconds between progress.log lines", resume=True)
 
     # -- offline simulation (no server)
@@ -90,6 +98,9 @@ class EvalConfig(StageConfig):
         unknown = [a for a in self.arm_list if a not in ARMS]
         require(not unknown, f"unknown arm {unknown[0]!r}; choose from {', '.join(ARMS)}" if unknown else "")
         self.urls  # noqa: B018 -- a malformed --url is refused before any work
+        require(not self.k_sweep or "eagle3" in self.arm_list,
+                "--k-sweep serves the draft: it needs --prompts and the eagle3 arm in --arms")
+        require(all(k >= 1 for k in self.k_sweep), f"--k-sweep takes positive integers, not {self.k_sweep}")
 
     @property
     def arm_list(self) -> list[str]:

@@ -13,10 +13,12 @@ from eagle3_train.common.manifest import describe_file
 from eagle3_train.common.rerun import RUN
 from eagle3_train.common.store import json_sha256
 
+RECOMMENDED = "recommended_k.json"  # 05 --k-sweep's recommended K, written beside the export
+
 
 def read_draft_config(draft_dir: Path) -> dict:
-    """The export's config.json, checked to be a speculators EAGLE-3 draft, or an MLA draft in
-    vLLM's deepseek_eagle3 format (draft_mla.py), seen through the speculators keys 05 reads."""
+    """The export's config.json, checked to be a speculators EAGLE-3 or DFlash draft, or an MLA
+    draft in vLLM's deepseek_eagle3 format (draft_mla.py), seen through the speculators keys 05 reads."""
     path = Path(draft_dir) / "config.json"
     if not path.exists():
         raise PipelineError(f"{draft_dir} is not a draft export (no config.json); pass 04's export/ dir")
@@ -32,10 +34,35 @@ def read_draft_config(draft_dir: Path) -> dict:
                                                     "hidden_size": cfg.get("hidden_size")},
                 "speculators_config": {"proposal_methods": [{"speculative_tokens": meta.get("speculative_tokens")}],
                                        "verifier": {"name_or_path": meta.get("verifier")}}}
-    if cfg.get("speculators_model_type") != "eagle3":
+    if cfg.get("speculators_model_type") not in METHODS:
         raise PipelineError(f"{path} has speculators_model_type={cfg.get('speculators_model_type')!r}, "
-                            "expected 'eagle3' (a speculators-format EAGLE-3 export)")
+                            "expected 'eagle3' or 'dflash' (a speculators-format export of 04)")
     return cfg
+
+
+METHODS = ("eagle3", "dflash")  # speculators_model_type -> vLLM's `method` (the same names)
+
+
+def draft_method(cfg: dict) -> str:
+    """vLLM's speculative `method` for the draft (always passed: without it vLLM guesses from the
+    directory name). An MLA draft is served as eagle3 (vLLM's deepseek_eagle3 architecture)."""
+    return "dflash" if cfg.get("speculators_model_type") == "dflash" else "eagle3"
+
+
+def max_k(cfg: dict) -> int | None:
+    """The most tokens the draft drafts in vLLM: block_size - 1 for a block draft (its block holds
+    the anchor and the mask slots it was trained on); None (no bound) for EAGLE-3."""
+    if draft_method(cfg) != "dflash":
+        return None
+    try:
+        return int(cfg["block_size"]) - 1
+    except (KeyError, TypeError, ValueError):
+        raise PipelineError("the dflash draft's config.json has no block_size") from None
+
+
+def aux_layer_ids(cfg: dict) -> list[int] | None:
+    """The target layers the draft reads (EAGLE-3 and DFlash spell the key differently)."""
+    return cfg.get("eagle_aux_hidden_state_layer_ids") or cfg.get("aux_hidden_state_layer_ids")
 
 
 def draft_k(cfg: dict) -> int:
@@ -54,8 +81,11 @@ def draft_target(cfg: dict) -> str | None:
 def describe_draft(draft_dir: Path) -> dict:
     """Identity of an export: its files' hashes, plus 04's manifest where the export sits in a run."""
     draft_dir = Path(draft_dir)
+    # .pt: a DFlash draft's mask_embedding.pt. Not RECOMMENDED: 05 --k-sweep writes it beside the
+    # export, which stays the same draft.
     files = {p.name: describe_file(p) for p in sorted(draft_dir.iterdir())
-             if p.is_file() and not p.name.startswith(".") and p.suffix in (".json", ".safetensors")}
+             if p.is_file() and not p.name.startswith(".") and p.suffix in (".json", ".safetensors", ".pt")
+             and p.name != RECOMMENDED}
     out = {"path": str(draft_dir.resolve()), "files": files,
            "sha256": json_sha256({n: f["sha256"] for n, f in files.items()})}
     for d in (draft_dir, draft_dir.parent):
@@ -88,11 +118,15 @@ def load_draft(draft_dir: Path, target: Path, *, device: str = "cpu", dtype: str
 
     from eagle3_train.common.target_layout import read_weights
     from eagle3_train.train.draft_core import load_target_weights
+    from eagle3_train.train.draft_dflash import load_dflash_draft
     from eagle3_train.train.draft_mla import is_mla_export, load_mla_draft
 
     draft_dir = Path(draft_dir)
-    if is_mla_export(read_draft_config(draft_dir)):
+    cfg = read_draft_config(draft_dir)
+    if is_mla_export(cfg):
         return load_mla_draft(draft_dir, target).to(device=device, dtype=DTYPES[dtype]).eval()
+    if draft_method(cfg) == "dflash":  # block drafts: offline.py runs them through draft_dflash.block_draft_tokens
+        return load_dflash_draft(draft_dir, target).to(device=device, dtype=DTYPES[dtype]).eval()
     config = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
     config.transformer_layer_config._attn_implementation = "sdpa"
     state = read_weights(draft_dir)

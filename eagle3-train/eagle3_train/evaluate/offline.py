@@ -1,5 +1,6 @@
 """05 offline (no server): the draft runs over held-out samples of the 02 store exactly as vLLM
-runs it (target features at t and token t+1 in, K chained proposals out) and each proposal is
+runs it (target features at t and token t+1 in, K chained proposals out; a DFlash draft's K from
+one block of K + 1 queries) and each proposal is
 compared with the target's own greedy token; acceptance is the chain rule of
 `acceptance.chain_acceptance`, counted where vLLM drafts (its walk: after the prefill token, then
 accepted + 1 on), so the offline AL is the figure vLLM reports; `al_all_positions` is the
@@ -56,7 +57,9 @@ def check_store(store, cfg: dict, target_desc: dict) -> None:
     for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
         if key in theirs:
             require_match(f"target {key}", target_desc[key], theirs[key], source=str(store.directory))
-    want = cfg.get("eagle_aux_hidden_state_layer_ids")
+    from eagle3_train.evaluate.draft import aux_layer_ids
+
+    want = aux_layer_ids(cfg)
     if want:
         require_match("auxiliary layer ids", list(want), _store_aux_ids(store), source=str(store.directory))
 
@@ -82,7 +85,8 @@ def draft_step_tokens(model, samples: list, k: int) -> list[list[torch.Tensor]]:
     vLLM drafts from (features of t-1, token t) and proposes t+1, t+2, ...; the proposal at depth
     k > 0 is fed the earlier ones. The forward feeds the true tokens instead (teacher forcing),
     which is the same thing whenever the earlier proposals were right, the only case the chain
-    rule counts."""
+    rule counts. A DFlash draft (`is_dflash`) drafts the k tokens in one block of k + 1 queries
+    anchored at each position, as vLLM runs it at num_speculative_tokens k (block_draft_tokens)."""
     hs, ids, docs, pos = [], [], [], []
     for d, s in enumerate(samples):
         n = s.input_ids.shape[0] - 1
@@ -92,8 +96,14 @@ def draft_step_tokens(model, samples: list, k: int) -> list[list[torch.Tensor]]:
         pos.append(torch.arange(1, n + 1))
     w = next(model.parameters()) if isinstance(model, torch.nn.Module) else torch.empty(0)  # where it runs
     on = lambda t: t.to(w.device, non_blocking=True)  # noqa: E731
-    out = model(hidden_states=on(torch.cat(hs)[None].to(w.dtype)), input_ids=on(torch.cat(ids)[None]),
-                document_ids=on(torch.cat(docs)[None]), position_ids=on(torch.cat(pos)[None]), ttt_steps=k)
+    hs, ids, docs, pos = on(torch.cat(hs)[None].to(w.dtype)), on(torch.cat(ids)[None]), on(torch.cat(docs)), \
+        on(torch.cat(pos)[None])
+    if getattr(model, "is_dflash", False):
+        from eagle3_train.train.draft_dflash import block_draft_tokens
+
+        out = [t[None] for t in block_draft_tokens(model, hs, ids, pos, docs, k)]
+    else:
+        out = model(hidden_states=hs, input_ids=ids, document_ids=docs[None], position_ids=pos, ttt_steps=k)
     to_target = draft_to_target(model)
     steps = [to_target(t[0]).cpu() for t in out]
     per_sample, a = [], 0

@@ -1,7 +1,8 @@
-"""05 online: a real vLLM server per arm -- `eagle3` (the draft), `none` (no speculation), `ngram`
-(prompt lookup) -- the same held-out prompts and sampling settings in every arm, at a few
-concurrency levels; the spec-decode counters of /metrics are read before and after each level, so
-AL = 1 + accepted / drafts and the per-position rates are vLLM's own."""
+"""05 online: a real vLLM server per arm -- `eagle3` (the draft, served with its method: eagle3 or
+dflash; with --k-sweep once per K), `none` (no speculation), `ngram` (prompt lookup) -- the same
+held-out prompts and sampling settings in every arm, at a few concurrency levels; the spec-decode
+counters of /metrics are read before and after each level, so AL = 1 + accepted / drafts and the
+per-position rates are vLLM's own."""
 
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 
-def spec_config(arm: str, draft_dir: Path, k: int, ngram: tuple[int, int]) -> dict | None:
+def spec_config(arm: str, draft_dir: Path, k: int, ngram: tuple[int, int], method: str = "eagle3") -> dict | None:
+    """vLLM's --speculative-config for an arm; the draft's with its `method` (eagle3 or dflash)
+    always written: without it vLLM guesses the method from the directory name."""
     if arm == "none":
         return None
     if arm == "eagle3":
-        return {"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": k}
+        return {"method": method, "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": k}
     if arm == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k,
                 "prompt_lookup_min": ngram[0], "prompt_lookup_max": ngram[1]}
@@ -154,22 +157,25 @@ def bench_server(base_url: str, prompts: list, levels: Sequence[int], sampling: 
 
 def run_arm(arm: str, *, target: Path, draft_dir: Path, k: int, ngram: tuple[int, int],
             prompts: list, levels: Sequence[int], sampling: dict, url: str | None,
-            server_kwargs: dict, log_dir: Path, timeout: float, every_s: float = 10.0) -> dict:
-    """One arm: against `url` if given, else a server of our own started and stopped here."""
+            server_kwargs: dict, log_dir: Path, timeout: float, every_s: float = 10.0,
+            method: str = "eagle3", name: str | None = None) -> dict:
+    """One arm: against `url` if given, else a server of our own started and stopped here (its
+    log vllm-<name>.log, name default: the arm)."""
     from eagle3_train.common.vllm_server import VllmServer, server_command
 
-    spec = spec_config(arm, draft_dir, k, ngram)
+    spec = spec_config(arm, draft_dir, k, ngram, method)
+    name = name or arm
     log_path = log_dir / "progress.log"
     if url:
-        res = bench_server(url, prompts, levels, sampling, arm=arm, timeout=timeout, log_path=log_path,
+        res = bench_server(url, prompts, levels, sampling, arm=name, timeout=timeout, log_path=log_path,
                            every_s=every_s)
         res["server"] = "connected"
     else:
-        srv = VllmServer(target, log_path=log_dir / f"vllm-{arm}.log", speculative_config=spec,
+        srv = VllmServer(target, log_path=log_dir / f"vllm-{name}.log", speculative_config=spec,
                          **server_kwargs)
-        print(f"[05] starting vLLM for arm {arm}: {srv.command_line()}", flush=True)
+        print(f"[05] starting vLLM for arm {name}: {srv.command_line()}", flush=True)
         with srv:
-            res = bench_server(srv.base_url, prompts, levels, sampling, arm=arm, timeout=timeout,
+            res = bench_server(srv.base_url, prompts, levels, sampling, arm=name, timeout=timeout,
                                log_path=log_path, every_s=every_s)
         res["server"] = "started"
         res["command"] = srv.cmd

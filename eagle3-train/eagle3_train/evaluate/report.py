@@ -15,7 +15,44 @@ def _fmt(x, nd=2):
     return "-" if x is None else f"{x:.{nd}f}"
 
 
-def build_report(run: dict, offline: dict | None, arms: dict[str, dict]) -> dict:
+# A K within this share of the best output tok/s counts as tied: a difference that small is
+# measurement noise on a shared machine, and the smaller K drafts less for the same speed.
+TIE = 0.02
+RULE = (f"the K with the highest output tok/s at the lowest concurrency level; a K within {TIE:.0%} of the "
+        "best counts as tied, and ties go to the smaller K")
+
+
+def recommend_k(tok_s: dict[int, float]) -> int:
+    """RULE over {K: output tok/s} at one concurrency level."""
+    best = max(tok_s.values())
+    return min(k for k, v in tok_s.items() if v >= best * (1 - TIE))
+
+
+def k_sweep(sweep: dict[int, dict], levels: list[int], base: dict | None, offline: dict[int, dict]) -> dict | None:
+    """--k-sweep's table: vLLM's AL, per-position rates and output tok/s (speedup over arm none)
+    per K, the offline walk's AL at that K where --store was given, and the K recommended (RULE)
+    overall and at each concurrency level."""
+    if not sweep:
+        return None
+    by_k = []
+    for k, res in sorted(sweep.items()):
+        tok = {r["concurrency"]: r["output_tok_s"] for r in res["levels"]}
+        by_k.append({"k": k, "acceptance_length": res["spec"]["acceptance_length"],
+                     "offline_acceptance_length": offline[k]["acceptance_length"] if k in offline else None,
+                     "per_position_rate": res["spec"]["per_position_rate"],
+                     "output_tok_s": [tok.get(c) for c in levels],
+                     "speedup_vs_none": [tok[c] / base[c] if base and base.get(c) and c in tok else None
+                                         for c in levels]})
+    per_level = [recommend_k({row["k"]: row["output_tok_s"][i] for row in by_k if row["output_tok_s"][i] is not None})
+                 for i in range(len(levels))]
+    return {"ks": sorted(sweep), "concurrency": levels[0], "levels": levels, "rule": RULE,
+            "recommended_k": per_level[0], "recommended_k_by_concurrency": per_level, "by_k": by_k}
+
+
+def build_report(run: dict, offline: dict | None, arms: dict[str, dict], sweep: dict[int, dict] | None = None,
+                 method: str = "eagle3", offline_by_k: dict[int, dict] | None = None) -> dict:
+    """report.json's content; `method` the draft's (eagle3 or dflash); `sweep` / `offline_by_k`
+    the draft's arm / offline part at each K of --k-sweep."""
     levels = run["online"]["concurrency"] if arms else []
     speedup = {}
     if "none" in arms:
@@ -25,13 +62,23 @@ def build_report(run: dict, offline: dict | None, arms: dict[str, dict]) -> dict
                 speedup[arm] = {r["concurrency"]: (r["output_tok_s"] / base[r["concurrency"]]
                                                    if base.get(r["concurrency"]) else None)
                                 for r in res["levels"]}
-    return {"stage": EVALUATE, "k": run["k"], "draft": run["draft"]["path"], "target": run["target"]["name_or_path"],
+    base = {r["concurrency"]: r["output_tok_s"] for r in arms["none"]["levels"]} if "none" in arms else None
+    return {"stage": EVALUATE, "k": run["k"], "method": method, "draft": run["draft"]["path"],
+            "target": run["target"]["name_or_path"],
             "offline": offline, "online": {"concurrency": levels, "arms": arms, "speedup_vs_none": speedup},
-            "sampling": run["online"].get("sampling") if arms else None}
+            "sampling": run["online"].get("sampling") if arms else None,
+            "k_sweep": k_sweep(sweep or {}, levels, base, offline_by_k or {})}
+
+
+def _label(rep: dict, arm: str) -> str:
+    """An arm's name in the tables: the draft's arm says its method when that is not eagle3."""
+    method = rep.get("method", "eagle3")
+    return f"eagle3 ({method})" if arm == "eagle3" and method != "eagle3" else arm
 
 
 def render_markdown(rep: dict) -> str:
-    lines = [f"# EAGLE-3 draft evaluation (K = {rep['k']})", "",
+    title = "DFlash" if rep.get("method") == "dflash" else "EAGLE-3"
+    lines = [f"# {title} draft evaluation (K = {rep['k']})", "",
              f"draft `{rep['draft']}`, target `{rep['target']}`", ""]
     off = rep.get("offline")
     arms = rep["online"]["arms"]
@@ -47,7 +94,7 @@ def render_markdown(rep: dict) -> str:
         s = arms.get(arm, {}).get("spec")
         if s:
             rates = s["per_position_rate"] + [None] * (rep["k"] - len(s["per_position_rate"]))
-            lines.append(f"| vLLM {arm} ({s['drafts']} drafts) | {_fmt(s['acceptance_length'], 3)} | "
+            lines.append(f"| vLLM {_label(rep, arm)} ({s['drafts']} drafts) | {_fmt(s['acceptance_length'], 3)} | "
                          + " | ".join(_fmt(x, 3) for x in rates[:rep["k"]]) + " |")
     lines.append("")
     if arms:
@@ -63,8 +110,24 @@ def render_markdown(rep: dict) -> str:
                     sp = rep["online"]["speedup_vs_none"].get(arm, {}).get(c)
                     cells.append("-" if r is None else f"{r['output_tok_s']:.1f}"
                                  + (f" ({sp:.2f}x)" if sp else ""))
-                lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+                lines.append(f"| {_label(rep, arm)} | " + " | ".join(cells) + " |")
         lines.append("")
+    sw = rep.get("k_sweep")
+    if sw:
+        levels = sw["levels"]
+        lines += [f"## K sweep (vLLM, method {rep.get('method', 'eagle3')})", "",
+                  "| K | AL | offline AL | " + " | ".join(f"tok/s c={c}" for c in levels) + " |",
+                  "|---|---|---|" + "---|" * len(levels)]
+        for row in sw["by_k"]:
+            cells = [("-" if v is None else f"{v:.1f}") + (f" ({sp:.2f}x)" if sp else "")
+                     for v, sp in zip(row["output_tok_s"], row["speedup_vs_none"])]
+            mark = " (recommended)" if row["k"] == sw["recommended_k"] else ""
+            lines.append(f"| {row['k']}{mark} | {_fmt(row['acceptance_length'], 3)} | "
+                         f"{_fmt(row['offline_acceptance_length'], 3)} | " + " | ".join(cells) + " |")
+        lines += ["", f"Recommended K = {sw['recommended_k']}: {sw['rule']} (c={sw['concurrency']})."
+                  + ("" if len(set(sw["recommended_k_by_concurrency"])) == 1 else
+                     " By level: " + ", ".join(f"c={c}: K={k}" for c, k in
+                                               zip(levels, sw["recommended_k_by_concurrency"])) + "."), ""]
     if off and off.get("al_all_positions") is not None:
         lines.append(f"Offline AL {off['acceptance_length']:.3f} counts drafts where vLLM makes them (after "
                      f"each accepted run and bonus token); a draft at every position would give "
@@ -96,7 +159,7 @@ def plot_report(rep: dict, path: Path) -> None:
     for arm in ("eagle3", "ngram"):
         s = rep["online"]["arms"].get(arm, {}).get("spec")
         if s and s["per_position_rate"]:
-            series.append((f"vLLM {arm}", s["per_position_rate"]))
+            series.append((f"vLLM {_label(rep, arm)}", s["per_position_rate"]))
     width = 0.8 / max(len(series), 1)
     for i, (name, vals) in enumerate(series):
         ax1.bar([x + (i - (len(series) - 1) / 2) * width for x in xs[:len(vals)]], vals[:k], width, label=name)

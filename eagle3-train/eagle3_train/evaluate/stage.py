@@ -5,9 +5,13 @@ report and the manifest.
 Output directory:
   run.json          the settings + input identities of this evaluation (rerun.py: a rerun must match)
   offline.json      the offline result          } each written atomically when finished, kept by
+  offline-k<K>.json the offline walk at another K (--k-sweep with --store)
   arms/<arm>.json   one online arm's result     } a rerun (resume = the parts still missing)
+  arms/eagle3-k<K>.json  the draft served at another K (--k-sweep)
   report.json, report.md, acceptance.png, vllm-<arm>.log, progress.log
   manifest.json     written last
+With --k-sweep, the K recommended is also written beside the draft, DRAFT/recommended_k.json (the
+export's own files are left as they are; 05 does not count that file in the draft's identity).
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ from eagle3_train.common.manifest import describe_file, require_match
 from eagle3_train.common.store import atomic_write_json, json_sha256
 from eagle3_train.evaluate.config import EvalConfig
 from eagle3_train.evaluate.draft import (
+    RECOMMENDED,
     describe_draft,
     draft_k,
+    draft_method,
     draft_target,
     load_draft,
     load_target_head,
+    max_k,
     read_draft_config,
 )
 from eagle3_train.evaluate.offline import check_store, heldout_ids, offline_eval
@@ -52,8 +59,17 @@ def run(config: EvalConfig) -> str:
         clean_temp_files(out / ARMS_DIR)
         # Each part is kept once finished: a rerun does only the missing ones.
         offline = evaluation.offline(out) if evaluation.store else None
+        # --k-sweep with --store: the offline walk at each K too (no server: cheap next to one)
+        offline_by_k = {k: offline if k == evaluation.k else evaluation.offline(out, k)
+                        for k in evaluation.sweep} if offline else {}
         results = {arm: evaluation.arm(out, arm) for arm in config.arm_list}
-        md = write_report(out, build_report(evaluation.identity, offline, results))
+        # --k-sweep: the draft served at each K (the eagle3 arm is the one at K)
+        sweep = {k: results["eagle3"] if k == evaluation.k else evaluation.arm(out, "eagle3", k)
+                 for k in evaluation.sweep}
+        report = build_report(evaluation.identity, offline, results, sweep, evaluation.method, offline_by_k)
+        md = write_report(out, report)
+        if report.get("k_sweep"):
+            evaluation.record_k(out, report["k_sweep"])
         # Last: from here on the evaluation counts as finished.
         evaluation.write_manifest(out, offline, results)
     return md
@@ -73,6 +89,14 @@ class Evaluation:
         self.config = config
         self.draft_cfg = cfg = read_draft_config(config.draft)
         self.k = config.num_speculative_tokens or draft_k(cfg)
+        self.method = draft_method(cfg)
+        self.sweep = sorted(set(config.k_sweep))
+        top = max_k(cfg)
+        over = [k for k in (self.k, *self.sweep) if top is not None and k > top]
+        if over:  # vLLM runs 1 + K queries a step: past the trained block the slots were never trained
+            raise PipelineError(f"K {over[0]}: the dflash draft {config.draft} was trained at block {top + 1} and "
+                                f"drafts at most {top} tokens a step; pass K up to {top} "
+                                "(--num-speculative-tokens, --k-sweep), or retrain it with a larger --block-size")
         target = config.target or (Path(draft_target(cfg)) if draft_target(cfg) else None)
         if target is None or not (Path(target) / "config.json").exists():
             raise PipelineError(f"target {target} not found; pass --target (the model the draft was trained for)")
@@ -91,6 +115,7 @@ class Evaluation:
         self.identity = {"k": self.k, "draft": self.draft_desc, "target": self.target_desc,
                          "tokenizer": self.tok_desc, "offline": None, "online": None}
         self.store = None
+        self._offline_models = None  # (draft, target head), loaded once for every K
         if config.store:
             self.store = store = HiddenStates(config.store)
             check_store(store, cfg, self.target_desc)
@@ -113,43 +138,69 @@ class Evaluation:
                 "concurrency": config.concurrency, "sampling": config.sampling, "ngram": config.ngram[:2],
                 "max_model_len": self.max_model_len, "reasoning_parser": config.reasoning_parser,
                 "server_args": config.server_arg}  # not the URLs: a restarted server may move
+            if self.sweep:  # only then: an evaluation made before --k-sweep existed still resumes
+                self.identity["online"]["k_sweep"] = self.sweep
 
-    def offline(self, out: Path) -> dict:
-        """The offline part, from offline.json when a previous run finished it."""
+    def offline(self, out: Path, k: int | None = None) -> dict:
+        """The offline part at K (offline.json), or at another K of the sweep (offline-k<k>.json),
+        from its file when a previous run finished it."""
         config = self.config
-        offline = load_part(out / OFFLINE)
+        k = k or self.k
+        path = out / (OFFLINE if k == self.k else f"offline-k{k}.json")
+        offline = load_part(path)
         if offline and "al_all_positions" not in offline:  # counted at every position (before vLLM's walk)
             offline = None
         if offline is None:
-            print(f"[05] offline: {len(self.ids)} samples ({self.selection}), K={self.k}", flush=True)
-            device, dtype = config.offline_placement()
-            print(f"[05] offline on {device} in {dtype}", flush=True)
-            model = load_draft(config.draft, self.target, device=device, dtype=dtype)
-            head = load_target_head(self.target, device=device, dtype=dtype) if self.store.has_last else None
-            offline = offline_eval(model, head, self.store, self.ids, self.k,
+            print(f"[05] offline: {len(self.ids)} samples ({self.selection}), K={k}", flush=True)
+            if self._offline_models is None:
+                device, dtype = config.offline_placement()
+                print(f"[05] offline on {device} in {dtype}", flush=True)
+                self._offline_models = (
+                    load_draft(config.draft, self.target, device=device, dtype=dtype),
+                    load_target_head(self.target, device=device, dtype=dtype) if self.store.has_last else None)
+            model, head = self._offline_models
+            offline = offline_eval(model, head, self.store, self.ids, k,
                                    tokens_per_batch=config.offline_tokens_per_batch,
                                    log_path=out / "progress.log", every_s=config.progress_every)
             offline |= {"selection": self.selection, "heldout": not self.selection.startswith("all")}
-            atomic_write_json(out / OFFLINE, offline)
-        print(f"[05] offline AL {offline['acceptance_length']:.3f} over {offline['samples']} samples", flush=True)
+            atomic_write_json(path, offline)
+        print(f"[05] offline AL {offline['acceptance_length']:.3f} over {offline['samples']} samples (K={k})",
+              flush=True)
         return offline
 
-    def arm(self, out: Path, arm: str) -> dict:
-        """One online arm, from arms/<arm>.json when a previous run finished it."""
+    def arm(self, out: Path, arm: str, k: int | None = None) -> dict:
+        """One online arm (the draft's at K = `k` for the sweep: arms/eagle3-k<k>.json, always a
+        server of its own: a --url server serves one K), from its file when a previous run finished it."""
         config = self.config
-        path = out / ARMS_DIR / f"{arm}.json"
+        name = arm if k is None else f"{arm}-k{k}"
+        path = out / ARMS_DIR / f"{name}.json"
         res = load_part(path)
         if res is None:
-            res = run_arm(arm, target=self.target, draft_dir=config.draft, k=self.k, ngram=tuple(config.ngram[:2]),
+            res = run_arm(arm, target=self.target, draft_dir=config.draft, k=k or self.k, ngram=tuple(config.ngram[:2]),
                           prompts=self.prompts, levels=config.concurrency, sampling=config.sampling,
-                          url=config.urls.get(arm), log_dir=out,
+                          url=config.urls.get(arm) if k is None else None, log_dir=out,
                           server_kwargs={**config.server_kwargs, "max_model_len": self.max_model_len},
-                          timeout=config.timeout, every_s=config.progress_every)
+                          timeout=config.timeout, every_s=config.progress_every, method=self.method, name=name)
             atomic_write_json(path, res)
         al = res["spec"]["acceptance_length"]
-        print(f"[05] {arm}: " + ", ".join(f"c={r['concurrency']} {r['output_tok_s']:.1f} tok/s"
+        print(f"[05] {name}: " + ", ".join(f"c={r['concurrency']} {r['output_tok_s']:.1f} tok/s"
                                           for r in res["levels"]) + (f", AL {al:.3f}" if al else ""), flush=True)
         return res
+
+    def record_k(self, out: Path, sweep: dict) -> None:
+        """The recommended K beside the draft (DRAFT/recommended_k.json, written atomically); a
+        draft directory we may not write to keeps it in report.json only."""
+        rec = {"recommended_k": sweep["recommended_k"], "method": self.method, "rule": sweep["rule"],
+               "concurrency": sweep["concurrency"], "by_k": sweep["by_k"], "target": str(self.target),
+               "evaluation": str(Path(out).resolve()), "draft_sha256": self.draft_desc["sha256"]}
+        try:
+            atomic_write_json(Path(self.config.draft) / RECOMMENDED, rec)
+        except OSError as e:
+            print(f"[05] note: cannot write {Path(self.config.draft) / RECOMMENDED} ({e.strerror}); the "
+                  "recommended K is in report.json", flush=True)
+            return
+        print(f"[05] recommended K {sweep['recommended_k']} written to {Path(self.config.draft) / RECOMMENDED}",
+              flush=True)
 
     def write_manifest(self, out: Path, offline: dict | None, results: dict) -> None:
         from eagle3_train.common.manifest import write_manifest

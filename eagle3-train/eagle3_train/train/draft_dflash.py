@@ -10,7 +10,9 @@ block anchored at token p drafts token p + i.
 - `build_dflash_draft` / `make_dflash_draft`: a fresh draft for a target (width, heads and rope from
   draft.py's `layer_config`, the target's embed/lm_head rows from draft_core.py's `copy_target_rows`).
 - `run_blocks`: the block forward over a packed batch (the context, the anchors' blocks) as vLLM
-  computes it: the training objective (objective_dflash.py) and validation call it.
+  computes it: the training objective (objective_dflash.py) and validation call it;
+  `block_draft_tokens`: the greedy proposals of a block of k + 1 at every position, for 05's walk.
+- `load_dflash_draft`: an export loaded back (05's offline part).
 - `export_dflash`: the speculators-format directory vLLM loads.
 
 Where speculators 0.9.0 stops or differs from what vLLM 0.32 serves:
@@ -132,12 +134,13 @@ def block_mask(doc: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Te
 
 
 def run_blocks(model, aux: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor,
-               anchors: torch.Tensor) -> torch.Tensor:
+               anchors: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """The final-normed states [n, block, H] of the blocks anchored at `anchors` (indices into one
     packed stretch: aux [1, L, n_aux*H_target], ids / pos [1, L], doc [L]). Anchor j's block is the
     token ids[anchors[j]] then block - 1 mask slots, at positions pos[anchors[j]] + 0..block-1; the
-    context row i sits at pos[i] - 1 (its token's own position, as vLLM's context positions)."""
-    block = model.block_size
+    context row i sits at pos[i] - 1 (its token's own position, as vLLM's context positions).
+    `block` (default: the trained one) is what vLLM runs at num_speculative_tokens K: K + 1 queries."""
+    block = block or model.block_size
     ctx = model.hidden_norm(model.fc(aux))
     n = anchors.numel()
     with torch.set_grad_enabled(torch.is_grad_enabled() and model.embed_tokens.weight.requires_grad):
@@ -152,6 +155,70 @@ def run_blocks(model, aux: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, d
         hidden = layer(target_hidden=ctx, hidden_states=hidden, attention_mask=mask, position_ids=positions,
                        position_embeddings=rope)
     return model.norm(hidden).view(n, block, -1)
+
+
+@torch.no_grad()
+def block_draft_tokens(model, aux: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, doc: torch.Tensor,
+                       k: int, chunk: int = 256) -> list[torch.Tensor]:
+    """vLLM's proposals at every position of one packed stretch (the run_blocks frame): a block of
+    k + 1 queries anchored at each position j, its slots 1..k's greedy draft-vocab ids, as k
+    tensors [L] (tensor i - 1 = slot i, the token j + 1 + i in the shifted frame: acceptance's
+    `draft_correctness` step i - 1). Anchors go `chunk` at a time: a block's states depend on its
+    own context only (tested), so chunking changes nothing but memory."""
+    if k > model.block_size - 1:
+        raise ValueError(f"a DFlash draft trained at block {model.block_size} drafts at most "
+                         f"{model.block_size - 1} tokens, not {k}")
+    length = ids.shape[1]
+    out = torch.zeros(k, length, dtype=torch.long, device=ids.device)
+    for a in range(0, length, chunk):
+        anchors = torch.arange(a, min(a + chunk, length), device=ids.device)
+        states = run_blocks(model, aux, ids, pos, doc, anchors, block=k + 1)
+        out[:, anchors] = model.lm_head(states[:, 1:]).argmax(-1).T
+    return list(out)
+
+
+def load_dflash_draft(draft_dir: Path, target: Path):
+    """An export as run_blocks runs it: its config and weights; the target's embed_tokens (and
+    lm_head for a full-vocab draft) where the export leaves them out, as vLLM shares them; the
+    mask slots' input from mask_embedding.pt, or else the mask token's embedding (vLLM's fallback)."""
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+
+    from eagle3_train.common.errors import PipelineError
+    from eagle3_train.common.target_layout import read_weights
+    from eagle3_train.train.draft_core import load_target_weights
+
+    draft_dir = Path(draft_dir)
+    config = DFlashSpeculatorConfig.from_pretrained(str(draft_dir))
+    config.transformer_layer_config._attn_implementation = "sdpa"  # dense masks (run_blocks builds them)
+    state = read_weights(draft_dir)
+    model = DFlashDraftModel(config)
+    model.is_dflash = True
+    fc = state.get("fc.weight")
+    if fc is not None and fc.shape != model.fc.weight.shape:  # narrower than the target (see build)
+        model.fc = nn.Linear(fc.shape[1], fc.shape[0], bias=False)
+    if "embed_tokens.weight" not in state or ("lm_head.weight" not in state and not model.use_draft_vocab):
+        tw = load_target_weights(target)
+        state.setdefault("embed_tokens.weight", tw["embed"])
+        if not model.use_draft_vocab:
+            state.setdefault("lm_head.weight", tw["lm_head"])
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.startswith("verifier_")]  # training-only copies
+    if missing or unexpected:
+        raise PipelineError(f"{draft_dir}: weights do not fit its config.json (missing {missing[:4]}, "
+                            f"unexpected {list(unexpected)[:4]})")
+    mask_file = draft_dir / MASK_FILE
+    if mask_file.exists():
+        mask = torch.load(mask_file, weights_only=True, map_location="cpu")
+        if int(mask["mask_token_id"]) != int(config.mask_token_id):
+            raise PipelineError(f"{mask_file} is for mask_token_id {mask['mask_token_id']}, config.json says "
+                                f"{config.mask_token_id}")
+        vec = mask["embedding"].float()
+    else:
+        vec = model.embed_tokens.weight[int(config.mask_token_id)].detach().float()
+    model.mask_embedding = nn.Parameter(vec.clone(), requires_grad=False)
+    model.verifier_lm_head = None
+    model.verifier_norm = None
+    return model.eval()
 
 
 # ----------------------------------------------------------------------------- export
