@@ -6,6 +6,7 @@ to read its ratio, its flags).
   uv run python scripts/bench/train.py memory [--max-tokens 1024] [--ttt-steps 3] [--samples 64]
   uv run python scripts/bench/train.py group-tokens [--max-tokens 4096] [--groups 0,256,512,1024]
   uv run python scripts/bench/train.py muon --widths 256,512,1024 --threads 1
+  uv run python scripts/bench/train.py follow [--samples 96] [--bound-shards 3]
 """
 
 from __future__ import annotations
@@ -285,7 +286,79 @@ def muon(args) -> int:
     return 0
 
 
-COMMANDS = {"speed": speed, "memory": memory, "group-tokens": group_tokens, "muon": muon}
+def follow(args) -> int:
+    """04 --follow (issue 27): train samples/s of plain 04 and of 04 --follow on a finished store, and of
+    04 --follow --consume beside a live 02 (hf, CPU) bound by --max-store-gb at --bound-shards shards;
+    the store's high-water mark (shard bytes, sampled every 5 ms) against bound + one shard.
+
+        uv run python scripts/bench/train.py follow --samples 96 --bound-shards 3
+
+    The ratios to read: follow / plain on the finished store (the cost of following: ~1), and the
+    high-water mark / (bound + one shard) (must be <= 1). Beside a live producer on the same 2 cores
+    the trainer waits on 02, so its samples/s there is the producer's pace, not the trainer's."""
+    import os
+    import subprocess
+    import threading
+
+    from eagle3_testkit.fixtures import REPO_ROOT, random_target_dir
+    from eagle3_train.common import hidden_store as hs
+    from eagle3_train.train import run
+
+    target = random_target_dir("llama")
+    with workdir(args.workdir, "bench-follow-") as work:
+        vocab = training_inputs(work / "inputs", target, args.samples)[1]
+        data = work / "inputs" / "tokenized"  # what training_inputs tokenized; 02 reruns on it below
+
+        def produce(store: Path, bound: int | None = None):
+            cmd = [sys.executable, str(REPO_ROOT / "eagle3-train" / "02_extract_hidden_states.py"), "--input",
+                   str(data), "--model", str(target), "--output", str(store), "--backend", "hf", "--device", "cpu",
+                   "--storage", "fp32", "--dtype", "float32", "--shard-mb", str(args.shard_mb)]
+            cmd += ["--max-store-gb", str(bound / 1e9)] if bound else []
+            return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+
+        def train(store: Path, out: Path, *extra) -> dict:
+            t = time.monotonic()
+            man = run(train_args(["--hidden-states", str(store), "--vocab-mapping", str(vocab), "--target",
+                                  str(target), "--out", str(out), "--max-tokens-per-batch", "160", "--val-fraction",
+                                  "0.1", "--save-every", "1000", "--log-every", "1000", "--threads", "1", "--quiet",
+                                  *extra]))
+            s = time.monotonic() - t
+            return {"s": round(s, 2), "samples": man["counts"]["train_samples"],
+                    "samples_per_s": round(man["counts"]["train_samples"] / s, 1)}
+
+        res = {}
+        fin = work / "finished"
+        t0 = time.monotonic()
+        produce(fin).wait()
+        res["02_alone_s"] = round(time.monotonic() - t0, 2)
+        train(fin, work / "warmup", "--epochs", "1")  # imports and first calls out of the figures
+        res["plain_finished"] = train(fin, work / "plain", "--epochs", "1")
+        res["follow_finished"] = train(fin, work / "follow-finished", "--follow")
+        shard = max(e["bytes"] for e in hs.committed_shards(fin).values())
+        bound = args.bound_shards * shard
+        live, peak, done = work / "live", [0], threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                if live.is_dir():
+                    peak[0] = max(peak[0], hs.store_bytes(live))
+                time.sleep(0.005)
+
+        threading.Thread(target=sample, daemon=True).start()
+        producer = produce(live, bound)
+        res["follow_live_consume"] = train(live, work / "follow-live", "--follow", "--consume")
+        producer.wait()
+        done.set()
+        res |= {"bound_bytes": bound, "shard_bytes": shard, "store_high_water_bytes": peak[0],
+                "follow_over_plain": round(res["follow_finished"]["samples_per_s"]
+                                           / res["plain_finished"]["samples_per_s"], 2),
+                "high_water_over_bound_plus_shard": round(peak[0] / (bound + shard), 3)}
+        print(json.dumps(res, indent=1))
+        write_json(args.json, res)
+    return 0 if peak[0] <= bound + shard else 1
+
+
+COMMANDS = {"speed": speed, "memory": memory, "group-tokens": group_tokens, "muon": muon, "follow": follow}
 
 
 def parse_args(argv=None):
@@ -324,6 +397,12 @@ def parse_args(argv=None):
     u.add_argument("--widths", default="256,512,1024", help="draft widths (default: 256,512,1024)")
     u.add_argument("--steps", type=int, default=2, help="timed steps per dtype after one warm-up (default: 2)")
     u.add_argument("--threads", type=int, default=1, help="(default: 1)")
+    f = command("follow", "04 --follow: samples/s following vs on a finished store; disk high-water vs the bound")
+    f.add_argument("--samples", type=int, default=96, help="synthetic samples (default: 96)")
+    f.add_argument("--shard-mb", type=float, default=1.5, help="02's --shard-mb (default: 1.5)")
+    f.add_argument("--bound-shards", type=int, default=3, help="02's --max-store-gb in shards (default: 3)")
+    f.add_argument("--workdir", type=Path, default=None, help="keep inputs here (default: a temp dir)")
+    f.add_argument("--json", type=Path, default=None, help="also write the results here (default: no)")
     return p.parse_args(argv)
 
 
