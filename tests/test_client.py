@@ -187,4 +187,4 @@ def test_01b_notes_a_server_without_cache_figures_and_still_runs(tmp_path):
     assert note in r.stdout and "warning:" not in r.stdout, r.stdout
     assert note in (tmp_path / "out" / "progress.log").read_text()
     m = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert m["config"]["server_cache"]["endpoints"] == {fs.url: {"note": "HTTP 404"}}
+    assert m["this_run"]["server_cache"]["endpoints"] == {fs.url: {"note": "HTTP 404"}}

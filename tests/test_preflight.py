@@ -220,6 +220,10 @@ def test_bus_bandwidth_and_the_worker_output_parse():
     lines = ["[W] some warning", f"{allreduce.READY} 1 4242", f"{allreduce.READY} 0 4241",
              f"{allreduce.RESULT} " + json.dumps(RESULT)]
     assert allreduce.parse_output(lines) == ({1: 4242, 0: 4241}, RESULT)
+    # The workers share one pipe: two ranks' words can land on one line (seen from torchrun here).
+    glued = [f"{allreduce.READY} 0 29103{allreduce.READY} 1 29104", "",
+             "W1202 warning" + f"{allreduce.RESULT} " + json.dumps(RESULT)]
+    assert allreduce.parse_output(glued) == ({0: 29103, 1: 29104}, RESULT)
 
 
 def test_allreduce_verdicts():

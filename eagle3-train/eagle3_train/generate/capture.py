@@ -39,13 +39,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shlex
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -74,8 +77,17 @@ FINAL_ROW = ("zeros: the answer's last token is never fed through the target; no
 LOCK_WAIT_S = 600.0  # longest wait for the connector to finish writing one file
 
 
+@dataclass
 class CaptureClient(ChatClient):
-    """01b's client, keeping the response's `kv_transfer_params.hidden_states_path` in the answer."""
+    """01b's client, keeping the response's `kv_transfer_params.hidden_states_path` in the answer;
+    with `room` (Capture.room, --max-store-gb) each request waits for room in the store first."""
+
+    room: Callable[[], None] | None = None
+
+    async def complete(self, body: bytes) -> Outcome:
+        if self.room is not None:  # on a thread: the answers in flight are still collected meanwhile
+            await asyncio.to_thread(self.room)
+        return await super().complete(body)
 
     def parse(self, content: bytes) -> dict:
         answer = super().parse(content)
@@ -159,6 +171,9 @@ class Capture:
         self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="capture-read")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-write")
         self._flushes: list[Future] = []
+        self._unwritten: dict[Future, int] = {}  # shards handed to the writer: their bytes, until on disk
+        if cfg.max_store_gb:
+            self.client_class = functools.partial(CaptureClient, room=self.room)
         if cfg.storage == TOPK_STORAGE:  # before any request: a bad checkpoint fails at once
             from eagle3_train.common.target import local_model_dir
 
@@ -256,6 +271,8 @@ class Capture:
         entries = list(read_jsonl(self.dir / hs.INDEX))
         self._next_k = 1 + max((e["k"] for e in entries), default=-1)
         (self.dir / MANIFEST).unlink(missing_ok=True)  # complete again only when finalize() says so
+        # what the manifest will say of the format, before the first shard (02 does the same): a follower checks it
+        atomic_write_json(self.dir / hs.HEADER, {"stage": hs.STAGE, "complete": False, **self.header()})
         if self.own_requests and self.req_dir.is_dir():  # files of requests a killed run never collected
             for p in self.req_dir.iterdir():
                 vx.remove_request_file(p) if p.is_file() else None
@@ -316,6 +333,7 @@ class Capture:
             if f.done() and f.exception() is not None:
                 raise f.exception()
         self._flushes = [f for f in self._flushes if not f.done()]
+        self._unwritten = {f: b for f, b in self._unwritten.items() if not f.done()}
         rec["captured"] = states is not None
         n = states["length"] if states else 0
         if n and self._buffer_tokens and self._buffer_tokens + n > self.shard_tokens:
@@ -328,7 +346,18 @@ class Capture:
             batch, k = self._buffer, self._next_k
             self._next_k += any(s is not None for _, s in batch)
             self._buffer, self._buffer_tokens = [], 0
-            self._flushes.append(self._writer.submit(self._commit, batch, k))
+            f = self._writer.submit(self._commit, batch, k)
+            self._flushes.append(f)
+            self._unwritten[f] = sum(s["length"] for _, s in batch if s is not None) * self.bpt
+
+    def room(self) -> None:
+        """--max-store-gb: return once the store's shard bytes plus the shards handed to the writer fit
+        the bound. The shard being filled is not counted (only its commit lets 04 --consume free room:
+        counting it could wait forever), so the store holds at most the bound, one shard and the
+        --concurrency answers in flight."""
+        ahead = sum(b for f, b in list(self._unwritten.items()) if not f.done())
+        hs.wait_for_room(self.dir, int(self.cfg.max_store_gb * 1e9), ahead, log_path=self.dir / "progress.log",
+                         stage="01b capture")
 
     def _commit(self, batch: list[tuple[dict, dict | None]], k: int) -> None:
         """On the writer thread: journal -> shard + index line -> answers -> journal gone."""
@@ -375,6 +404,13 @@ class Capture:
 
     # ------------------------------------------------------------------------- end: the manifest
 
+    def header(self) -> dict:
+        """The store's format (hs.HEADER_KEYS), as its manifest will say it."""
+        storage = hs.describe_storage(self.cfg.storage, len(self.aux_ids), self.H, self.topk)
+        return {"target": self.target, "tokenizer": self.tokenizer, "layer_ids": [*self.aux_ids, self.N],
+                "aux_layer_ids": self.aux_ids, "last_layer_id": self.N, "hidden_size": self.H, "storage": storage,
+                "dtype": storage.get("aux")}
+
     def finalize(self, raw_path: Path) -> dict:
         """plan.json (the shards as committed) and the store's manifest, as 02 writes them."""
         from safetensors import safe_open
@@ -386,9 +422,11 @@ class Capture:
         atomic_write_json(self.dir / hs.PLAN, plan)
         supervised = 0
         for e in entries:
+            if not (self.dir / e["shard"]).exists():  # consumed by 04 --follow --consume: the count is unknown
+                supervised = None
+                break
             with safe_open(str(self.dir / e["shard"]), framework="pt") as f:
                 supervised += int(f.get_tensor("loss_mask").sum())
-        storage = hs.describe_storage(self.cfg.storage, len(self.aux_ids), self.H, self.topk)
         counts = {"samples": plan["samples"], "tokens": plan["tokens"], "shards": len(entries),
                   "bytes": sum(e["bytes"] for e in entries), "supervised_tokens": supervised,
                   "answers_without_states": sum(1 for r in read_jsonl(raw_path) if r.get("captured") is False),
@@ -396,9 +434,7 @@ class Capture:
         return write_manifest(
             self.dir, hs.STAGE, config=self.cfg.to_dict(),
             inputs={"raw_responses": describe_file(raw_path, hash_it=False)},
-            outputs={"shards": [e["shard"] for e in entries]}, counts=counts, target=self.target,
-            tokenizer=self.tokenizer, layer_ids=[*self.aux_ids, self.N], aux_layer_ids=self.aux_ids,
-            last_layer_id=self.N, hidden_size=self.H, storage=storage, dtype=storage.get("aux"), backend="vllm",
+            outputs={"shards": [e["shard"] for e in entries]}, counts=counts, **self.header(), backend="vllm",
             captured=CAPTURED, final_row=FINAL_ROW,
             tokenization={k: getattr(self.cfg, k) for k in ("max_seq_len", "loss_on", "keep_length")},
             layer_convention=("id i = residual stream entering layer i; "

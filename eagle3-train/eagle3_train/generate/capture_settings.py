@@ -53,6 +53,10 @@ class CaptureSettings(Settings):
     vllm_args: str = _like_02("vllm_args", resume=True, help=(
         "more flags for the printed/launched server, one string, e.g. '--reasoning-parser kimi_k2 "
         "--gpu-memory-utilization 0.85' (default: none)"))
+    max_store_gb: float | None = _like_02("max_store_gb", resume=True, help=(
+        "back-pressure for 04 --follow --consume: send no new request while the store's shards on disk (and those "
+        "being written) exceed this many GB (1e9 bytes); the store then holds at most it plus the shard being "
+        "filled plus --concurrency answers in flight (default: no bound)"))
     device: str = _like_02("device", resume=True, help=(
         "where --storage fp8-topk's head (final norm + lm_head) runs: auto, cpu, cuda:1 ... (default: auto = "
         "the GPU with the most free memory if it fits there, else cpu)"))
@@ -72,7 +76,7 @@ class CaptureSettings(Settings):
 
 
 CHECKED_BY_02 = ("layers", "storage", "topk", "shard_mb", "tensor_parallel_size", "max_num_batched_tokens",
-                 "startup_timeout", "device")
+                 "startup_timeout", "device", "max_store_gb")
 
 
 def add_capture_args(parser: argparse.ArgumentParser, C=CaptureSettings) -> None:
@@ -90,4 +94,5 @@ def add_capture_args(parser: argparse.ArgumentParser, C=CaptureSettings) -> None
     g.add_argument("--max-model-len", type=int, **C.arg("max_model_len"))
     g.add_argument("--startup-timeout", type=float, **C.arg("startup_timeout"))
     g.add_argument("--vllm-args", **C.arg("vllm_args"))
+    g.add_argument("--max-store-gb", type=float, **C.arg("max_store_gb"))
     g.add_argument("--device", **C.arg("device"))

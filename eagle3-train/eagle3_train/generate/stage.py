@@ -449,8 +449,7 @@ def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: 
             gen_tokens += len(rec.get("token_ids") or ())
     error_types = Counter(r.get("error_type") for r in read_jsonl(out_dir / ERRORS))
     write_manifest(
-        out_dir, STAGE, config={**args.to_dict(), **({"server_cache": stats["server_cache"]}
-                                                     if stats.get("server_cache") else {})},
+        out_dir, STAGE, config=args.to_dict(),
         inputs={"prompts": ps.describe()},
         outputs={"raw_responses": describe_file(out_dir / RAW),
                  "errors": describe_file(out_dir / ERRORS) if (out_dir / ERRORS).exists() else None},
@@ -462,5 +461,7 @@ def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: 
                              "retries": stats["retries"], "text_derived": stats.get("text_derived", 0)}},
         target={"model": args.model, "base_urls": list(args.base_url or ())},
         identity={**args.identity(), **source_identity(args, ps.source)}, text_derived=bool(text_derived),
+        # what the servers said of their KV cache at this run's start: an observation, not a setting
+        **({"this_run": {"server_cache": stats["server_cache"]}} if stats.get("server_cache") else {}),
         **({"text_warning": TEXT_WARNING} if text_derived else {}))
     return text_derived

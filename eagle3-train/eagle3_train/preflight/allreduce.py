@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,19 +40,23 @@ def busbw_gbs(result: dict) -> float:
 
 
 def parse_output(lines: list[str]) -> tuple[dict[int, int], dict | None]:
-    """({rank: pid} of the workers that said ready, rank 0's result) from their interleaved output."""
+    """({rank: pid} of the workers that said ready, rank 0's result) from their interleaved output.
+    The workers share one pipe, so one line may hold several ranks' words
+    ("...-ready 0 29103...-ready 1 29104"): each is found wherever it sits."""
     ready, result = {}, None
     for line in lines:
-        if READY in line:
-            tail = line.split(READY, 1)[1].split()
-            if len(tail) >= 2 and tail[0].isdigit() and tail[1].isdigit():
-                ready[int(tail[0])] = int(tail[1])
-        elif RESULT in line:
+        for rank, pid in _READY.findall(line):
+            ready[int(rank)] = int(pid)
+        for found in _RESULT.findall(line):
             try:
-                result = json.loads(line.split(RESULT, 1)[1])
+                result = json.loads(found)
             except ValueError:
                 pass
     return ready, result
+
+
+_READY = re.compile(re.escape(READY) + r" (\d+) (\d+)")
+_RESULT = re.compile(re.escape(RESULT) + r" (\{[^{}]*\})")
 
 
 def command(nproc: int, mb: float, iters: int) -> list[str]:

@@ -25,7 +25,7 @@ from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.formats import DRAFT_LAYERS
 from eagle3_train.common.manifest import text_config
 from eagle3_train.common.store import TMP_PREFIX, atomic_dir_commit
-from eagle3_train.train.draft_core import copy_target_rows
+from eagle3_train.train.draft_core import rows_from_target
 
 # ----------------------------------------------------------------------------- the draft
 
@@ -143,10 +143,7 @@ def build_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t: torch
             model.input_norm = type(model.input_norm)(n_aux * tc.hidden_size, eps=lc.rms_norm_eps)
     if d2t is not None and draft_vocab != vocab:
         model.load_vocab_mappings(t2d.bool(), d2t.long())
-    if not copy_target_rows(model, weights if wide else None, t2d):
-        with torch.no_grad():
-            nn.init.normal_(model.embed_tokens.weight, std=init_std)
-            nn.init.normal_(model.lm_head.weight, std=init_std)
+    if rows_from_target(model, weights if wide else None, t2d, init_std):
         train_embeddings = train_lm_head = True
     # The training targets come from our own TargetHead; the model's copies are never used.
     model.verifier_lm_head = None

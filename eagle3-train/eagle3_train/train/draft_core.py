@@ -125,6 +125,17 @@ def copy_target_rows(model, weights: dict | None, t2d) -> bool:
     return True
 
 
+def rows_from_target(model, weights: dict | None, t2d, init_std: float) -> bool:
+    """The target's embed/lm_head rows into `model` (copy_target_rows); without them (a narrower
+    draft) both are drawn fresh. True when fresh: the caller then trains them."""
+    if copy_target_rows(model, weights, t2d):
+        return False
+    with torch.no_grad():
+        nn.init.normal_(model.embed_tokens.weight, std=init_std)
+        nn.init.normal_(model.lm_head.weight, std=init_std)
+    return True
+
+
 def draft_to_target(model) -> Callable[[torch.Tensor], torch.Tensor]:
     """Maps draft-vocab ids to target-vocab ids (target = draft + d2t[draft])."""
     if not model.use_draft_vocab:

@@ -8,7 +8,7 @@ keys/values are `hidden_norm(fc(concatenated aux states))` of every earlier toke
 block anchored at token p drafts token p + i.
 
 - `build_dflash_draft` / `make_dflash_draft`: a fresh draft for a target (width, heads and rope from
-  draft.py's `layer_config`, the target's embed/lm_head rows from draft_core.py's `copy_target_rows`).
+  draft.py's `layer_config`, the target's embed/lm_head rows from draft_core.py's `rows_from_target`).
 - `run_blocks`: the block forward over a packed batch (the context, the anchors' blocks) as vLLM
   computes it: the training objective (objective_dflash.py) and validation call it;
   `block_draft_tokens`: the greedy proposals of a block of k + 1 at every position, for 05's walk.
@@ -54,7 +54,7 @@ def build_dflash_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     from eagle3_train.train.draft import layer_config
-    from eagle3_train.train.draft_core import copy_target_rows
+    from eagle3_train.train.draft_core import rows_from_target
 
     tc = text_config(target_cfg)
     # Dense masks only: a DFlash block mask is no EAGLE-3 one, and speculators' flex path for it
@@ -86,10 +86,7 @@ def build_dflash_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t
         nn.init.normal_(model.fc.weight, std=init_std)
     if d2t is not None and draft_vocab != vocab:
         model.load_vocab_mappings(t2d.bool(), d2t.long())
-    if not copy_target_rows(model, weights if wide else None, t2d):
-        with torch.no_grad():
-            nn.init.normal_(model.embed_tokens.weight, std=init_std)
-            nn.init.normal_(model.lm_head.weight, std=init_std)
+    if rows_from_target(model, weights if wide else None, t2d, init_std):
         train_embeddings = train_lm_head = True
     # Scaled like the token embeddings the other slots carry, so the first layer's norms see alike inputs.
     scale = float(model.embed_tokens.weight.float().std())

@@ -275,6 +275,10 @@ class Trainer:
         samples reached so far, the best only among checkpoints that saw all; --consume deletes the
         shards this checkpoint records as trained once it is committed."""
         complete = True
+        if self.follow is not None and validate and self.config.consume and self.step >= self.total_steps:
+            # The last validation waits for every shard (their held-out samples), and a producer bound
+            # by --max-store-gb waits for room: checkpoint first, so the trained shards are deleted.
+            self.validate_and_save(meter, validate=False)
         if self.follow is not None and validate:
             self.loader.val_batches, complete = self.follow.val_batches(self.step)
         val = self.validate() if validate else None
