@@ -7,7 +7,8 @@ both drafts served by real vLLM; acceptance length and the ratios printed.
 
 Needs scripts/bench/data.py's output under --root (02 store, 03 vocabulary, held-out prompts).
 Each arm trains one draft, then 05_evaluate serves it in vLLM (eagle3, greedy, k = 3) on the
-held-out prompts. KIND is `speculators` (speculators.train.cli through
+held-out prompts (KIND@K,K,...: at each K, through 05 --k-sweep; a block draft at most its block
+minus one). KIND is `speculators` (speculators.train.cli through
 eagle3_testkit.speculators_train, on the 02 store converted by eagle3_testkit.speculators_data; its
 defaults otherwise: Muon lr 1e-3 linear, norm_before_fc, forward KL, TTT 3, bf16 autocast) or
 `ours` (04_train with FLAGS beyond the inputs). Default arms, in this order:
@@ -46,7 +47,7 @@ DEFAULT_ARMS = {
     "ours-shape-lr": "ours:--ttt-steps 3 --max-tokens-per-batch 2048 --epochs 7 --lr 3e-3",
     "ours-defaults": "ours:",
 }
-K = 3
+K = 3  # the speculators arm's own validation counts TTT 3; 04's is read at each arm's first K
 
 
 def parse_args(argv=None):
@@ -56,24 +57,36 @@ def parse_args(argv=None):
     p.add_argument("--results", type=Path, default=None, help="(default: <root>/results)")
     p.add_argument("--target", type=Path, default=BENCH_TARGET, help=f"(default: {BENCH_TARGET})")
     p.add_argument("--arm", action="append", default=[], metavar="NAME=KIND:FLAGS",
-                   help="an arm (repeatable; replaces the defaults): KIND speculators or ours")
+                   help="an arm (repeatable; replaces the defaults): KIND speculators or ours, "
+                        "KIND@3,7 to serve it at K = 3 and 7 (default: K = 3)")
     p.add_argument("--only", default=None, help="comma-separated arm names to run, in this order (default: all)")
     p.add_argument("--num-prompts", type=int, default=100, help="held-out prompts served (default: 100)")
     p.add_argument("--concurrency", type=int, default=16, help="05's requests in flight (default: 16)")
     p.add_argument("--max-tokens", type=int, default=400, help="05's max tokens per answer (default: 400)")
     p.add_argument("--val-fraction", type=float, default=0.05,
                    help="held-out share for speculators' validation rows, 04's default rule (default: 0.05)")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra `vllm serve` argument for 05's servers, repeatable, e.g. --server-arg=--dtype=bfloat16 "
+                        "--server-arg=--attention-backend=AMX_MLA for an MLA draft on a DeepSeek-V3-style target "
+                        "(default: none)")
     return p.parse_args(argv)
 
 
-def parse_arms(specs: list[str]) -> dict[str, tuple[str, list[str]]]:
+def parse_arms(specs: list[str]) -> dict[str, tuple[str, list[str], list[int]]]:
+    """NAME=KIND[@K,K]:FLAGS -> {NAME: (KIND, FLAGS, [K, ...])}."""
     arms = {}
     for spec in specs or [f"{k}={v}" for k, v in DEFAULT_ARMS.items()]:
         name, sep, rest = spec.partition("=")
         kind, sep2, flags = rest.partition(":")
-        if not (sep and sep2) or kind not in ("speculators", "ours") or not name:
-            raise PipelineError(f"--arm {spec!r}: expected NAME=speculators:FLAGS or NAME=ours:FLAGS")
-        arms[name] = (kind, shlex.split(flags))
+        kind, _, ks = kind.partition("@")
+        try:
+            k_list = [int(k) for k in ks.split(",")] if ks else [K]
+        except ValueError:
+            k_list = []
+        if not (sep and sep2) or kind not in ("speculators", "ours") or not name or not k_list \
+                or min(k_list) < 1:
+            raise PipelineError(f"--arm {spec!r}: expected NAME=speculators:FLAGS or NAME=ours[@K,K]:FLAGS")
+        arms[name] = (kind, shlex.split(flags), k_list)
     return arms
 
 
@@ -120,7 +133,7 @@ def train_ours(arm_dir: Path, d: dict, target: Path, flags: list[str]) -> Path:
     return arm_dir / "run" / "export"
 
 
-def val_al(arm_dir: Path) -> dict:
+def val_al(arm_dir: Path, k: int = K) -> dict:
     """Validation acceptance length at k = 3, last and best: 04's own (vLLM's count); for the
     speculators arm its own per-epoch validation, 1 + sum over TTT steps of full_acc (the share of
     positions whose first s+1 draft tokens are all right)."""
@@ -141,13 +154,23 @@ def val_al(arm_dir: Path) -> dict:
 
     def at_k(r):
         by_depth = r.get("al_by_depth")
-        return by_depth[K - 1] if by_depth and len(by_depth) >= K else r.get("acceptance_length")
+        return by_depth[k - 1] if by_depth and len(by_depth) >= k else r.get("acceptance_length")
 
     series = [at_k(r) for r in val if at_k(r) is not None]
     return {"val_al_last": series[-1], "val_al_best": max(series)} if series else {}
 
 
-def run_arm(name: str, kind: str, flags: list[str], d: dict, results: Path, args) -> dict:
+def served(rep: dict, ks: list[int]) -> dict:
+    """vLLM's AL, drafts and per-position rates at each K from 05's report."""
+    if len(ks) > 1:
+        return {r["k"]: {"al": r["acceptance_length"], "per_position": r["per_position_rate"]}
+                for r in rep["k_sweep"]["by_k"]}
+    spec = rep["online"]["arms"]["eagle3"].get("spec") or {}
+    return {ks[0]: {"al": spec.get("acceptance_length"), "drafts": spec.get("drafts"),
+                    "per_position": spec.get("per_position_rate")}}
+
+
+def run_arm(name: str, kind: str, flags: list[str], ks: list[int], d: dict, results: Path, args) -> dict:
     arm_dir = results / name
     done = arm_dir / "arm.json"
     if done.exists():
@@ -167,17 +190,19 @@ def run_arm(name: str, kind: str, flags: list[str], d: dict, results: Path, args
         atomic_write_text(state_path, json.dumps(state) + "\n")
     ev = arm_dir / "05"
     if not complete(ev, EVAL_STAGE):
-        print(f"[bench] {name}: serving the draft in vLLM (k = {K}, {args.num_prompts} held-out prompts)", flush=True)
+        print(f"[bench] {name}: serving the draft in vLLM (k = {ks}, {args.num_prompts} held-out prompts)", flush=True)
+        sweep = ["--k-sweep", ",".join(map(str, ks))] if len(ks) > 1 else []
         run_stage("05_evaluate.py", ["--draft", state["export"], "--target", args.target.resolve(), "--output-dir", ev,
                                      "--prompts", d["heldout"], "--num-prompts", args.num_prompts,
-                                     "--num-speculative-tokens", K, "--arms", "eagle3",
+                                     "--num-speculative-tokens", ks[0], *sweep, "--arms", "eagle3",
                                      "--concurrency", args.concurrency, "--max-tokens", args.max_tokens,
-                                     "--temperature", 0, "--max-model-len", 1024], arm_dir / "eval.log")
+                                     "--temperature", 0, "--max-model-len", 1024,
+                                     *[f"--server-arg={a}" for a in args.server_arg]], arm_dir / "eval.log")
     rep = json.loads((ev / "report.json").read_text())
-    eagle = rep["online"]["arms"]["eagle3"]
-    out = {"name": name, "kind": kind, "flags": shlex.join(flags), **state, **val_al(arm_dir),
-           "vllm_al": (eagle.get("spec") or {}).get("acceptance_length"),
-           "vllm_drafts": (eagle.get("spec") or {}).get("drafts")}
+    by_k = served(rep, ks)
+    out = {"name": name, "kind": kind, "flags": shlex.join(flags), "ks": ks, **state, **val_al(arm_dir, ks[0]),
+           "vllm_al": by_k[ks[0]]["al"], "vllm_drafts": by_k[ks[0]].get("drafts"),
+           "vllm_by_k": {str(k): v for k, v in by_k.items()}}
     if kind == "ours" and complete(arm_dir / "run", TRAIN_STAGE):
         man = json.loads((arm_dir / "run" / "manifest.json").read_text())
         out["steps"] = (man.get("counts") or {}).get("steps")
@@ -197,13 +222,18 @@ def table(rows: list[dict]) -> str:
     def fmt(x, spec):
         return format(x, spec) if isinstance(x, (int, float)) else "–"
 
-    lines = ["| arm | configuration | training wall (s) | val AL (own validation, last / best) | vLLM AL (k = 3) "
-             "| wall / speculators | vLLM AL / speculators |", "|---|---|---|---|---|---|---|"]
+    def at(r, k):
+        v = (r.get("vllm_by_k") or {}).get(str(k)) or ({"al": r.get("vllm_al")} if k == K else {})
+        return fmt(v.get("al"), ".3f")
+
+    lines = ["| arm | configuration | steps | training wall (s) | val AL (own validation, last / best) "
+             "| vLLM AL k = 3 | vLLM AL k = 7 | wall / speculators | vLLM AL / speculators |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cfg = f"{r['kind']} {r['flags']}".strip()
-        lines.append(f"| {r['name']} | `{cfg}` | {fmt(r.get('train_wall_s'), '.0f')} | "
+        lines.append(f"| {r['name']} | `{cfg}` | {fmt(r.get('steps'), 'd')} | {fmt(r.get('train_wall_s'), '.0f')} | "
                      f"{fmt(r.get('val_al_last'), '.2f')} / {fmt(r.get('val_al_best'), '.2f')} | "
-                     f"{fmt(r.get('vllm_al'), '.3f')} | {ratio(r, 'train_wall_s')} | {ratio(r, 'vllm_al')} |")
+                     f"{at(r, 3)} | {at(r, 7)} | {ratio(r, 'train_wall_s')} | {ratio(r, 'vllm_al')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -222,8 +252,8 @@ def main(argv=None) -> int:
         raise PipelineError(f"--only names unknown arms {unknown}; known: {list(arms)}")
     rows = []
     for name in names:
-        kind, flags = arms[name]
-        rows.append(run_arm(name, kind, flags, d, results, args))
+        kind, flags, ks = arms[name]
+        rows.append(run_arm(name, kind, flags, ks, d, results, args))
         md = table(rows)
         summary = {"root": str(d["root"]), "data": json.loads(d["summary"].read_text()) if d["summary"].exists()
                    else None, "k": K, "num_prompts": args.num_prompts, "arms": rows}
