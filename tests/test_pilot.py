@@ -115,6 +115,7 @@ RUN = ["--target", "t", "--input", "p", "--work-dir", "w"]
     ([*RUN, "--stage-arg", "04:fsdp"], "--stage-arg '04:fsdp'"),
     ([*RUN, "--budget", "soon"], "--budget must be"),
     ([*RUN, "--pilot-prompts", "0"], "--pilot-prompts must be"),
+    ([*RUN, "--startup-timeout", "0"], "--startup-timeout must be positive, not 0.0"),
 ])
 def test_bad_flags_are_one_error_line(argv, message, capsys):
     assert run_main(pilot_main, argv) == 2

@@ -13,6 +13,8 @@ from eagle3_train.common import vllm_server as vs
 from eagle3_train.common.errors import PipelineError
 from eagle3_train.evaluate.cli import parse_args as parse05
 from eagle3_train.extract.cli import parse_args as parse02
+from eagle3_train.generate.cli import parse_args as parse01b
+from eagle3_train.pilot.cli import parse_args as parse_pilot
 
 
 def sparse(path, gb: float):
@@ -43,9 +45,18 @@ def test_every_stage_that_launches_vllm_takes_startup_timeout(tmp_path):
     base05 = ["--draft", "d", "--output-dir", str(tmp_path / "e"), "--store", "s"]
     assert parse05(base05).startup_timeout is None
     assert parse05([*base05, "--startup-timeout", "7200"]).server_kwargs["startup_timeout"] == 7200
-    for parse, base in ((parse02, base02), (parse05, base05)):
-        with pytest.raises(PipelineError, match="--startup-timeout must be positive"):
-            parse([*base, "--startup-timeout", "0"])
+    # 01b --capture-hidden-states --launch-server and the pilot (01b's server, 02 and 05) take it too.
+    base01b = ["--input", "x", "--output-dir", str(tmp_path / "g"), "--model", "m", "--capture-hidden-states",
+               "--target", "m", "--launch-server"]
+    assert parse01b(base01b).startup_timeout is None
+    assert parse01b([*base01b, "--startup-timeout", "3000"]).startup_timeout == 3000
+    base_pilot = ["--target", "t", "--input", "x", "--work-dir", str(tmp_path / "w")]
+    assert parse_pilot(base_pilot).startup_timeout is None
+    assert parse_pilot([*base_pilot, "--startup-timeout", "5000"]).startup_timeout == 5000
+    for parse, base in ((parse02, base02), (parse05, base05), (parse01b, base01b), (parse_pilot, base_pilot)):
+        for bad in ("0", "-5"):
+            with pytest.raises(PipelineError, match=f"--startup-timeout must be positive, not {float(bad)}"):
+                parse([*base, "--startup-timeout", bad])
 
 
 def test_a_server_that_never_answers_is_stopped_with_its_last_log_line(tmp_path, monkeypatch):
@@ -142,6 +153,95 @@ def test_the_top_k_head_goes_where_it_fits_on_purpose():
     assert head_device("auto", need, free=[]) == "cpu"
     assert head_device("auto", need, free=[need + HEAD_WORKSPACE]) == "cuda:0"
     assert head_device("cuda:5", need, free=[0]) == "cuda:5"
+
+
+@pytest.mark.parametrize("gpus, tp, util, expect", [
+    (8, 8, None, "cuda:1"),   # the runbook's box: TP-8 at vLLM's default 0.9 on 8 x 96 GB; rank 0 holds a bit more
+    (8, 4, "0.9", "cuda:4"),  # a GPU the server does not use
+    (8, 8, "0.97", "cpu"),    # vLLM leaves 2.9 GiB: the head and its 2 GiB workspace do not fit beside it
+])
+def test_a_launched_servers_share_is_seen_before_the_top_k_head_is_placed(tmp_path, monkeypatch, llama_target_dir,
+                                                                         capsys, gpus, tp, util, expect):
+    """02 --launch-server --storage fp8-topk: the head is read on the CPU before the server starts
+    (a bad checkpoint fails before minutes of loading) and placed once the server is up, from the
+    memory vLLM left. Chosen before the start, every GPU looks equally free, which picks cuda:0."""
+    import torch
+    from eagle3_train.extract import vllm as xv
+
+    class Kimi:
+        vocab_size, hidden_size = 163840, 7168
+
+    gb, total = 1 << 30, 96 << 30
+    launched = {}
+
+    class StandInServer:  # takes --gpu-memory-utilization of the first --tensor-parallel-size GPUs, as vLLM does
+        base_url = "http://127.0.0.1:9/v1"
+
+        def __init__(self, model, **kw):
+            self.args = kw["extra_args"]
+
+        def flag(self, name, default):
+            return self.args[self.args.index(name) + 1] if name in self.args else default
+
+        def command_line(self):
+            return "vllm serve (stand-in)"
+
+        def start(self):
+            launched["tp"] = int(self.flag("--tensor-parallel-size", "1"))
+            launched["util"] = float(self.flag("--gpu-memory-utilization", "0.9"))
+            launched["head_device_at_start"] = heads[-1].device if heads else None
+
+        def model_runner(self):
+            return "v1"
+
+        def stop(self):
+            pass
+
+    heads = []  # each top-k head read, in order
+    read = xv.CheckpointHead.__init__
+
+    def reading(self, *a, **kw):
+        read(self, *a, **kw)
+        heads.append(self)
+
+    def mem_get_info(i):
+        if not launched:
+            return (total - gb // 2, total)
+        used = launched["util"] * total + (gb if i == 0 else 0) if i < launched["tp"] else gb // 2
+        return (int(total - used), total)
+
+    placed = []
+    monkeypatch.setattr(vs, "VllmServer", StandInServer)
+    monkeypatch.setattr(xv, "head_bytes", lambda cfg, _h=xv.head_bytes: _h(Kimi))  # Kimi's 2.35 GB head
+    monkeypatch.setattr(xv.CheckpointHead, "__init__", reading)
+    monkeypatch.setattr(xv.CheckpointHead, "to", lambda self, d: placed.append(d) or self)  # no CUDA here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    argv = ["--input", "x", "--model", str(llama_target_dir), "--output-dir", str(tmp_path / "o"),
+            "--backend", "vllm", "--storage", "fp8-topk", "--launch-server", "--tensor-parallel-size", str(tp)]
+    args = parse02(argv + (["--vllm-args", f"--gpu-memory-utilization {util}"] if util else []))
+    backend = xv.VllmBackend(args, num_layers=2, aux_ids=[0, 1])
+    try:
+        assert launched["head_device_at_start"] == "cpu"  # read before the start, and held off the GPUs
+        assert placed == [expect]
+        assert backend.head is heads[-1]
+    finally:
+        backend.close()
+    line = [ln for ln in capsys.readouterr().err.splitlines() if "top-k head" in ln]
+    assert line and line[0].startswith(f"02: the top-k head (final norm + lm_head) runs on {expect}")
+    if expect == "cpu":
+        assert "--gpu-memory-utilization" in line[0]
+
+    # A checkpoint without weights fails before any server starts.
+    launched.clear()
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((llama_target_dir / "config.json").read_text())
+    with pytest.raises(PipelineError, match="no safetensors weights"):
+        xv.VllmBackend(parse02([a if a != str(llama_target_dir) else str(bare) for a in argv]),
+                       num_layers=2, aux_ids=[0, 1])
+    assert not launched
 
 
 def test_a_hub_id_is_read_from_the_local_cache_or_refused_in_one_line(tmp_path, monkeypatch, llama_target_dir):

@@ -16,6 +16,7 @@ manifest. Rerunning the same command resumes; --validate checks a finished store
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from eagle3_train.common.config import join_dash_values
@@ -47,6 +48,7 @@ def parse_args(argv=None) -> ExtractConfig:
     st.add_argument("--topk", type=int, **C.arg("topk"))
     st.add_argument("--shard-mb", type=float, **C.arg("shard_mb"))
     st.add_argument("--max-store-gb", type=float, **C.arg("max_store_gb"))
+    st.add_argument("--stop-when-full", action="store_true", **C.arg("stop_when_full"))
 
     bt = p.add_argument_group("batching and parallelism")
     bt.add_argument("--batch-tokens", type=int, **C.arg("batch_tokens"))
@@ -86,8 +88,13 @@ def main(argv=None) -> int:
     return run(config)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM stops like Ctrl-C: a server launched here is stopped (and waited for)
+
+
 def entry() -> None:
     """The numbered script's and the console script's entry: user mistakes are one `error:` line, exit 2."""
+    signal.signal(signal.SIGTERM, _interrupt)
     sys.exit(run_main(main))
 
 

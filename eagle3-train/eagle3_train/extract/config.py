@@ -89,6 +89,10 @@ class ExtractConfig(StageConfig):
     max_store_gb: float | None = setting(None, resume=True, help=(
         "back-pressure for 04 --follow --consume: send no new work while the store's shards on disk exceed "
         "this many GB (1e9 bytes); the store then never holds more than it plus one shard (default: no bound)"))
+    stop_when_full: bool = setting(False, resume=True, help=(
+        "with --max-store-gb: once the store is full, commit the shard being written, stop the server this run "
+        "launched, say so in one line and exit 0 instead of waiting for room (the one-box alternation with 04 "
+        "--follow --consume; rerun to go on) (default: wait)"))
 
     # checks
     force: bool = setting(False, resume=True, help="start even if the disk estimate says it will not fit")
@@ -110,6 +114,8 @@ class ExtractConfig(StageConfig):
             require(value > 0, f"{flag} must be positive, not {value}")
         require(self.max_store_gb is None or self.max_store_gb > 0,
                 f"--max-store-gb must be positive, not {self.max_store_gb}")
+        require(not self.stop_when_full or self.max_store_gb,
+                "--stop-when-full stops once the store reaches --max-store-gb: add --max-store-gb")
         require(self.progress_every >= 0, f"--progress-every must not be negative, not {self.progress_every}")
         require(not (self.validate_only and self.repair), "--validate and --repair exclude each other")
         self.input = Path(self.input)

@@ -312,6 +312,9 @@ def _run_locked(cfg, out: Path, rank: int, world: int, backend_factory, *, overw
     if pending and not (out / hs.HEADER).exists():
         atomic_write_json(out / hs.HEADER, {"stage": hs.STAGE, "complete": False, **header})
     runner = None  # vLLM's model runner, when this run launched the server that extracted
+    if pending and cfg.stop_when_full and hs.store_bytes(out) > bound:
+        return stopped_full(out, bound, plan)  # before a server is launched for nothing
+    full = False
     if pending:
         if world == 1:
             clean_temp_files(out)
@@ -323,11 +326,13 @@ def _run_locked(cfg, out: Path, rank: int, world: int, backend_factory, *, overw
         backend = factory(cfg, num_layers=N, aux_ids=aux_ids, max_len=max(inp.lengths.values()))
         runner = getattr(backend, "model_runner", None)
         try:
-            extract_shards(backend, inp, pending, out, storage=cfg.storage, aux_ids=aux_ids, N=N,
-                           index=hs.index_name(rank, world), progress_every=cfg.progress_every,
-                           max_store=bound, bytes_per_token=bpt)
+            full = not extract_shards(backend, inp, pending, out, storage=cfg.storage, aux_ids=aux_ids, N=N,
+                                      index=hs.index_name(rank, world), progress_every=cfg.progress_every,
+                                      max_store=bound, bytes_per_token=bpt, stop_when_full=cfg.stop_when_full)
         finally:
-            backend.close()
+            backend.close()  # a server this run launched is stopped (and waited for) here
+    if full:
+        return stopped_full(out, bound, plan)
 
     committed = hs.committed_shards(out)
     missing = [s["k"] for s in plan["shards"] if s["k"] not in committed]
@@ -349,6 +354,18 @@ def _run_locked(cfg, out: Path, rank: int, world: int, backend_factory, *, overw
     return 0
 
 
+def stopped_full(out: Path, bound: int, plan: dict) -> int:
+    """--stop-when-full's ending: one line, exit 0 (the store is consistent: every shard in it is
+    committed; a rerun goes on from its index)."""
+    done = len(set(hs.committed_shards(out)) & {s["k"] for s in plan["shards"]})
+    print(f"02: the store is full ({hs.human_bytes(hs.store_bytes(out))} on disk > --max-store-gb {bound / 1e9:g} GB): "
+          f"stopped with {done} of {len(plan['shards'])} shards committed (--stop-when-full); rerun the same "
+          "command once 04 --follow --consume has trained and deleted some", flush=True)
+    hs.note(out / "progress.log", "02 extract", f"stopped full (--stop-when-full): {done} of "
+                                                f"{len(plan['shards'])} shards committed")
+    return 0
+
+
 def make_backend(cfg, *, num_layers: int, aux_ids: Sequence[int], max_len: int | None = None):
     if cfg.backend == "vllm":
         from eagle3_train.extract.vllm import VllmBackend
@@ -361,10 +378,12 @@ def make_backend(cfg, *, num_layers: int, aux_ids: Sequence[int], max_len: int |
 
 def extract_shards(backend, inp: InputSet, shards: Sequence[dict], out: Path, *, storage: str,
                    aux_ids: Sequence[int], N: int, index: str, progress_every: float = 30.0,
-                   max_store: int | None = None, bytes_per_token: int = 0) -> None:
+                   max_store: int | None = None, bytes_per_token: int = 0, stop_when_full: bool = False) -> bool:
     """Compute and commit `shards` in order; the write of shard k overlaps the compute of k+1. With
     `max_store` (bytes), no shard's work is sent while the store's shards on disk and the one being
-    written exceed it (hidden_store.wait_for_room): a follower that consumes shards makes room."""
+    written exceed it (hidden_store.wait_for_room): a follower that consumes shards makes room.
+    `stop_when_full`: instead of that wait, commit the shard being written and return False (True:
+    every shard done)."""
     total = sum(len(s["ids"]) for s in shards)
     meta = {"storage": storage, "layer_ids": [*aux_ids, N]}
     with Progress("02 extract", total, unit="sample", log_path=out / "progress.log", every_s=progress_every) as bar, \
@@ -379,6 +398,12 @@ def extract_shards(backend, inp: InputSet, shards: Sequence[dict], out: Path, *,
             ahead = 0
             if max_store is not None:
                 writing_bytes = 0 if writing is None or writing.done() else shards[i - 1]["tokens"] * bytes_per_token
+                if stop_when_full and hs.store_bytes(out) + writing_bytes > max_store:
+                    if writing is not None:
+                        writing.result()  # committed: on disk its real size, not the estimate
+                        writing, writing_bytes = None, 0
+                    if hs.store_bytes(out) > max_store:
+                        return False
                 hs.wait_for_room(out, max_store, writing_bytes, log_path=out / "progress.log", stage="02 extract",
                                  every_s=progress_every)
                 ahead = writing_bytes + shard["tokens"] * bytes_per_token
@@ -407,3 +432,4 @@ def extract_shards(backend, inp: InputSet, shards: Sequence[dict], out: Path, *,
             writing = pool.submit(hs.write_shard, out, shard["k"], samples, tensors, index=index, meta=meta)
         if writing is not None:
             writing.result()
+    return True

@@ -166,7 +166,8 @@ def head_device(device: str, need: int, free: list[int] | None = None) -> str:
     """Where 02's top-k head runs. An explicit --device is kept. `auto` is chosen on purpose: the
     vLLM server this stage talks to takes --gpu-memory-utilization (0.9) of every GPU it uses, so
     the GPU with the most free memory, if the head and its workspace fit there, else the CPU.
-    `free`: bytes free per GPU (read from CUDA when not given)."""
+    `free`: bytes free per GPU (read from CUDA when not given; VllmBackend asks only once its
+    server is up, when the figures include vLLM's share)."""
     if device != "auto":
         return device
     if free is None:
@@ -217,6 +218,11 @@ class CheckpointHead:
         self.eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         self.device = device
 
+    def to(self, device: str) -> "CheckpointHead":
+        self.norm_w, self.head_w = self.norm_w.to(device), self.head_w.to(device)
+        self.device = device
+        return self
+
     @staticmethod
     def _pick(where: dict, suffix: str) -> str | None:
         """The language model's tensor named `suffix` (also under a multimodal wrapper's
@@ -259,13 +265,12 @@ class VllmBackend:
                 remove_request_file(p) if p.is_file() else None
         max_len = args.max_model_len or (max_len or 4096) + 1
         self.head = None
-        if args.storage == "fp8-topk":  # before the server starts: a bad checkpoint fails at once
+        if args.storage == "fp8-topk":  # read before the server starts: a bad checkpoint fails at once
             from eagle3_train.common.target import local_model_dir
 
-            model_dir = local_model_dir(args.model)
-            device = head_device(args.device, head_bytes(cfg))
-            print(f"02: the top-k head (final norm + lm_head) runs on {device}", file=sys.stderr)
-            self.head = CheckpointHead(model_dir, cfg, device)
+            # On the CPU for now: before a launched server is up every GPU looks equally free, so a
+            # choice made here would put the head on cuda:0, the GPU vLLM then fills to 90%.
+            self.head = CheckpointHead(local_model_dir(args.model), cfg, "cpu")
         self.server = None
         self.model_runner = None  # known for a server this stage launched (its log says)
         if args.server_url:
@@ -298,6 +303,14 @@ class VllmBackend:
             print(f"start the extraction server (on the GPU box) with:\n\n  {cmd}\n")
             raise PipelineError("the vllm backend needs a server: start it with the command printed above, "
                                 "then rerun with --server-url http://127.0.0.1:8000/v1 (or pass --launch-server)")
+        if self.head is not None:  # the server is up now: each GPU's free memory is what vLLM left
+            need = head_bytes(cfg)
+            device = head_device(args.device, need)
+            why = "" if device != "cpu" or args.device != "auto" else (
+                f" (no GPU has {(need + HEAD_WORKSPACE) / 1e9:.1f} GB free beside vLLM; lower its "
+                "--gpu-memory-utilization in --vllm-args, or pass --device)")
+            print(f"02: the top-k head (final norm + lm_head) runs on {device}{why}", file=sys.stderr)
+            self.head.to(device)
         import openai
 
         self.model_name = args.served_model_name or args.model

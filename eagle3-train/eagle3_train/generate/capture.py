@@ -31,7 +31,8 @@ Commit order (kill -9 at any moment, then rerun: every id once in answers and st
   3. on every start (Capture.open): a journal whose shard is committed is replayed into the answers
      (ids not there yet), any other journal is dropped (its answers are asked again); a committed
      shard holding an id that has no answer is uncommitted (hs.drop_shards); an answer marked
-     captured whose states are not in the store is taken out of the answers (asked again, counted).
+     captured whose states are not in the store is taken out of the answers (asked again, counted);
+     temp files (the store's and the journals') and shard files no index line commits are deleted.
 A kill loses at most the answers buffered for the shard being filled; they are asked again.
 """
 
@@ -174,12 +175,11 @@ class Capture:
         self._unwritten: dict[Future, int] = {}  # shards handed to the writer: their bytes, until on disk
         if cfg.max_store_gb:
             self.client_class = functools.partial(CaptureClient, room=self.room)
-        if cfg.storage == TOPK_STORAGE:  # before any request: a bad checkpoint fails at once
+        self._head_bytes = vx.head_bytes(tcfg)
+        if cfg.storage == TOPK_STORAGE:  # read now, so a bad checkpoint fails at once; placed by _place_head
             from eagle3_train.common.target import local_model_dir
 
-            device = vx.head_device(cfg.device, vx.head_bytes(tcfg))
-            print(f"01b: the top-k head (final norm + lm_head) runs on {device}", file=sys.stderr)
-            self.head = vx.CheckpointHead(local_model_dir(self.name, what="--target"), tcfg, device)
+            self.head = vx.CheckpointHead(local_model_dir(self.name, what="--target"), tcfg, "cpu")
 
     # ------------------------------------------------------------------------- identity and server
 
@@ -208,6 +208,7 @@ class Capture:
                                 "start it, then rerun with --base-url http://127.0.0.1:8000/v1 (or pass "
                                 "--launch-server)")
         if c.base_url:
+            self._place_head()
             yield
             return
         from eagle3_train.common.vllm_server import VllmServer
@@ -225,9 +226,18 @@ class Capture:
         self.server.start()
         c.base_url = [self.server.base_url]
         try:
+            self._place_head()
             yield
         finally:
             self.server.stop()  # --base-url keeps the launched server's URL: the manifest names it
+
+    def _place_head(self) -> None:
+        """The top-k head onto its device once the server is up: before, every GPU looks free and
+        `auto` would pick the one vLLM then fills to --gpu-memory-utilization."""
+        if self.head is not None:
+            device = vx.head_device(self.cfg.device, self._head_bytes)
+            print(f"01b: the top-k head (final norm + lm_head) runs on {device}", file=sys.stderr)
+            self.head.to(device)
 
     # ------------------------------------------------------------------------- start: repair
 
@@ -236,6 +246,7 @@ class Capture:
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / JOURNAL).mkdir(exist_ok=True)
         clean_temp_files(self.dir)
+        clean_temp_files(self.dir / JOURNAL)  # a journal torn by kill -9 inside its atomic write
         raw_ids = {r["id"] for r in read_jsonl(raw_path) if "id" in r}
         committed = hs.committed_shards(self.dir)
         journals = sorted((self.dir / JOURNAL).glob("shard-*.jsonl"))
@@ -255,6 +266,11 @@ class Capture:
             hs.drop_shards(self.dir, orphans)
             self.stats["dropped_shards"] += len(orphans)
             committed = hs.committed_shards(self.dir)
+        # kill -9 between a shard's rename and its index line (hs.write_shard): a file no line commits
+        names = {e["shard"] for e in committed.values()}
+        for p in self.dir.glob("shard-*.safetensors"):  # hs.shard_name; bad-* (dropped) are kept
+            if p.name not in names:
+                p.unlink()
         stored: dict[str, int] = {}
         for k, e in committed.items():
             for i in e["ids"]:
@@ -297,8 +313,8 @@ class Capture:
                 problem = str(e)
             finally:
                 self._reading.discard(path)
-            self.stats["states_reasked"] += 1
-            if attempt < self.cfg.max_retries:
+            if attempt < self.cfg.max_retries:  # counted only when the request really goes again
+                self.stats["states_reasked"] += 1
                 out = await ask_again()
         return Outcome(error={"error_type": "hidden_states", "message": problem, "status": 200, "retryable": True,
                               "attempts": out.attempts, "endpoint": out.endpoint},
@@ -417,7 +433,8 @@ class Capture:
 
         entries = sorted(hs.committed_shards(self.dir).values(), key=lambda e: e["k"])
         plan = {"version": hs.PLAN_VERSION, "made": CAPTURED,
-                "shards": [{"k": e["k"], "ids": e["ids"], "tokens": e["tokens"]} for e in entries],
+                "shards": [{"k": e["k"], "ids": e["ids"], "tokens": e["tokens"], "lengths": e["lengths"]}  # 02's keys
+                           for e in entries],
                 "samples": sum(len(e["ids"]) for e in entries), "tokens": sum(e["tokens"] for e in entries)}
         atomic_write_json(self.dir / hs.PLAN, plan)
         supervised = 0

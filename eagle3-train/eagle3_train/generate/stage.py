@@ -207,6 +207,7 @@ class RunResult:
     tokens: int
     text_derived: int = 0  # answers in the file whose ids were re-wrapped from text
     unretryable: str | None = None  # why the ids still failed, when no retry can fix it (no_retry_helps)
+    states_reasked: int | None = None  # --capture-hidden-states: requests sent again for an unusable states file
 
 
 async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progress, text_fmt=None, cap=None) -> dict:
@@ -394,7 +395,8 @@ def run_generation(args) -> RunResult:
                 cap.finalize(raw_path)
             text_derived = _write_manifest(out_dir, args, ps, answered, len(still_failed), stats)
         return RunResult(len(ps.ids), answered, len(still_failed), stats["interrupted"], stats["answered"],
-                         stats["failed"], stats["tokens"], text_derived or 0, no_retry_helps(still_failed))
+                         stats["failed"], stats["tokens"], text_derived or 0, no_retry_helps(still_failed),
+                         cap.stats["states_reasked"] if cap is not None else None)
 
 
 def run(cfg) -> int:
@@ -407,7 +409,9 @@ def run(cfg) -> int:
               "rerun the same command to resume", file=sys.stderr)
         return 143 if res.interrupted == "SIGTERM" else 130
     print(f"01b: {res.answered}/{res.requested} answered ({res.new_answers} this run, "
-          f"{res.tokens} tokens), {res.failed} failed -> {cfg.output_dir / RAW}")
+          f"{res.tokens} tokens), {res.failed} failed"
+          + (f", {res.states_reasked} asked again for a missing or unusable hidden-states file"
+             if res.states_reasked is not None else "") + f" -> {cfg.output_dir / RAW}")
     if not res.answered:  # nothing to tokenize; the output was not marked complete
         if res.unretryable:
             raise PipelineError(f"every request was {res.unretryable}; a rerun would fail the same way "

@@ -97,6 +97,8 @@ class PilotConfig(Settings):
             value = getattr(self, name)
             require(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, not {value}")
         require(self.timeout > 0, f"--timeout must be positive, not {self.timeout}")
+        require(self.startup_timeout is None or self.startup_timeout > 0,  # 0 would reach 01b's server as 0
+                f"--startup-timeout must be positive, not {self.startup_timeout}")
         require(self.extract_backend in BACKENDS, f"--extract-backend {self.extract_backend!r}: choose vllm or hf")
         parse_budget(self.budget)
         self.stage_args  # noqa: B018 -- a malformed --stage-arg is refused before any work

@@ -6,7 +6,8 @@ speculators format vLLM serves (`--speculative-config '{"method": "eagle3", "mod
     torchrun --nproc-per-node 8 eagle3-train/04_train.py ...            # DDP on 8 GPUs
     torchrun --nnodes 2 --node-rank R --master-addr HOST --nproc-per-node 8 eagle3-train/04_train.py ...
 
-Rerunning the same command resumes from the last complete checkpoint.
+Rerunning the same command resumes from the last complete checkpoint. Exit status: 0 done, 2 an
+error (one `error:` line), 75 --follow stopped at --follow-timeout after checkpointing (rerun to go on).
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ import sys
 from eagle3_train.common.config import join_dash_values
 from eagle3_train.common.errors import run_main
 from eagle3_train.common.formats import ATTNS, DRAFT_ARCHS
-from eagle3_train.train.config import EXPORT_DTYPES, LOSSES, MLA_FIELDS, OPTIMIZERS, TrainConfig
+from eagle3_train.train.config import (
+    EXIT_FOLLOW_TIMEOUT,
+    EXPORT_DTYPES,
+    LOSSES,
+    MLA_FIELDS,
+    OPTIMIZERS,
+    STAGE,
+    TrainConfig,
+)
 
 
 def _ids(text: str) -> list[int]:
@@ -116,8 +125,13 @@ def main(argv=None) -> int:
 
         return dry_run_train(config)
     from eagle3_train.train import run
+    from eagle3_train.train.follow import FollowTimeout
 
-    run(config)
+    try:
+        run(config)
+    except FollowTimeout as e:  # not an error: stopped, checkpointed, waiting for the producer's next shards
+        print(f"{STAGE}: stopped: {e}", file=sys.stderr)
+        return EXIT_FOLLOW_TIMEOUT
     return 0
 
 

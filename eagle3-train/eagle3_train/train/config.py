@@ -35,13 +35,18 @@ LOSSES = ("kl", "ce")
 DENSE_GROUP_TOKENS = 512
 SCHEDULE = "schedule.json"  # the run's chosen length (recipe.choose_length), kept so a resume keeps it
 HELDOUT = "heldout"  # --follow --consume: copies of the held-out samples of shards it deletes
+# --follow stopped at --follow-timeout after training and checkpointing (EX_TEMPFAIL: rerun once the
+# producer has committed more); torchrun reports a worker's 75 as its own 1, so rank 0 also leaves
+# STOPPED (a run removes it when it starts).
+EXIT_FOLLOW_TIMEOUT = 75
+STOPPED = "stopped.json"
 
 
 @dataclass(kw_only=True)
 class TrainConfig(StageConfig):
     stage: ClassVar[str] = TRAIN
     outputs: ClassVar[tuple[str, ...]] = (METRICS, CKPT_DIR, EXPORT, "curves.png", "progress.log", SCHEDULE,
-                                          HELDOUT)
+                                          HELDOUT, STOPPED)
     claims: ClassVar[tuple[str, ...]] = (CKPT_DIR, EXPORT)
 
     # -- inputs (their directories may move: their manifests' hashes identify them, see inputs.py)
@@ -155,15 +160,18 @@ class TrainConfig(StageConfig):
                                              "(split.is_heldout, the rule 03 and 05 use)")
     val_max_samples: int | None = setting(500, help="validate on at most this many held-out samples")
     seed: int = setting(0, help="initialisation and data order")
-    follow: bool = setting(False, help="train on a store still being written (02 or 01b's capture mode): shards in "
+    follow: bool = setting(False, help="train on a store still being written by 02: shards in "
                                        "the order its index commits them, one pass, waiting when none is ready; "
                                        "validation on the held-out ids of the shards reached so far (default: off)")
     consume: bool = setting(False, help="with --follow: delete each shard once all its samples are trained and a "
                                         "checkpoint records it (held-out samples are copied to OUT/heldout first), "
                                         "making room for a producer bound by --max-store-gb (default: off)")
     follow_timeout: float = setting(3600.0, resume=True,
-                                    help="with --follow: seconds without a new shard before stopping with a line "
-                                         "naming the producer's progress.log (default: 3600)")
+                                    help="with --follow: seconds without a new shard before 04 checkpoints and "
+                                         "stops with a line naming the producer's progress.log: exit "
+                                         f"{EXIT_FOLLOW_TIMEOUT} once this run took a new shard or trained a step "
+                                         f"(rerun to go on; OUT/{STOPPED} says so under torchrun), else exit 2 "
+                                         "(default: 3600)")
 
     # -- hardware and distribution
     device: str = setting("auto", help="auto = CUDA when available")

@@ -27,12 +27,14 @@ the MLA draft's 192/128 (Triton: 83,968): the MLA draft keeps torch's defaults t
 
 When a kernel fails anyway (another torch, another GPU, an estimate that is wrong), `first_that_runs`
 walks down `ladder` one rung at a time, saying so in one line per rung, and gives up in one error
-line naming the user's choices. No rung is a dense S x S path.
+line naming the user's choices. No rung is a dense S x S path. A kernel that passed the probe but
+fails at a training step anyway is one error line too (`in_one_line`, on Trainer.forward_backward).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterable
 from unittest import mock
@@ -59,6 +61,11 @@ WGMMA_MAJORS = (9, 10)
 # torch 2.13 says "OutOfResources: out of resource: shared memory, Required: ..."; later ones
 # "OutOfMemoryError: out of resource: <kernel> Required: ..." (pytorch#198224)
 SMEM_ERRORS = ("No valid triton configs", "out of resource", "OutOfResources")
+# What the user can do when no blocks fit (the dense path, sized down to fit in memory)
+ADVICE = "train with --attn sdpa (dense masks: lower --max-tokens-per-batch until it fits in memory)"
+# What setup installed in this process (use_compiled_flex is process-wide too): the device's words,
+# the options its probe tried in order, the last one being what training runs with.
+installed: dict | None = None
 
 
 def rounded(d: int) -> int:
@@ -186,9 +193,8 @@ def first_that_runs(rungs: list[dict | None], attempt: Callable[[dict | None], N
             if not is_smem_error(e):
                 raise
             if i + 1 == len(rungs):
-                raise PipelineError(
-                    f"flex attention does not fit {where} even with {describe(opts)} ({short(e)}); train "
-                    "with --attn sdpa (dense masks: lower --max-tokens-per-batch until it fits in memory)") from None
+                raise PipelineError(f"flex attention does not fit {where} even with {describe(opts)} "
+                                    f"({short(e)}); {ADVICE}") from None
             say(f"warning: flex attention with {describe(opts)} does not fit {where} ({short(e)}); "
                 f"retrying with {describe(rungs[i + 1])}")
     return None
@@ -211,10 +217,11 @@ def device_limits(device) -> tuple[tuple[int, int], int, str]:
 
 def probe(qk: int, v: int, dtype: torch.dtype, device, tokens: int = 256) -> Callable[[], None]:
     """One forward + backward of the installed compiled kernel through speculators' attention module,
-    on a two-document packed batch under the draft's own mask: a kernel that does not fit fails
-    here, in seconds, not in step 1. The shared memory a kernel needs depends on its blocks, head
-    sizes and dtype, not on the number of tokens or heads."""
-    from speculators.models.eagle3.attention import create_combined_mask_mod
+    on a two-document packed batch under the draft's own mask, and under that mask extended for a
+    TTT step (keys of both steps, as draft_core.unroll's second step attends): a kernel that does not
+    fit fails here, in seconds, not in step 1. The shared memory a kernel needs depends on its blocks,
+    head sizes and dtype, not on the number of tokens or heads."""
+    from speculators.models.eagle3.attention import create_combined_mask_mod, extend_mask_for_draft_tokens
     from torch.nn.attention.flex_attention import create_block_mask
 
     def run() -> None:
@@ -224,9 +231,15 @@ def probe(qk: int, v: int, dtype: torch.dtype, device, tokens: int = 256) -> Cal
         doc[tokens // 3:] = 1
         mask = create_block_mask(create_combined_mask_mod(doc, tokens), B=None, H=None, Q_LEN=tokens,
                                  KV_LEN=tokens, device=device)
-        q, k = (torch.randn(1, 1, tokens, qk, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-        val = torch.randn(1, 1, tokens, v, device=device, dtype=dtype, requires_grad=True)
-        sa.flex_attention(q, k, val, block_mask=mask).float().sum().backward()
+
+        def rand(n: int, d: int) -> torch.Tensor:
+            return torch.randn(1, 1, n, d, device=device, dtype=dtype, requires_grad=True)
+
+        q, k, val, k2, v2 = rand(tokens, qk), rand(tokens, qk), rand(tokens, v), rand(tokens, qk), rand(tokens, v)
+        out = sa.flex_attention(q, k, val, block_mask=mask).float().sum()
+        out = out + sa.flex_attention(q, torch.cat([k, k2], 2), torch.cat([val, v2], 2),
+                                      block_mask=extend_mask_for_draft_tokens(mask)).float().sum()
+        out.backward()
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -251,7 +264,34 @@ def setup(draft, device, dtype: torch.dtype, *, main: bool = True) -> dict | Non
         use_compiled_flex(options)
         run()
 
+    global installed
+    installed = None
     chosen = first_that_runs(rungs, attempt, where, say=quiet)
+    installed = {"where": where, "tried": rungs[:rungs.index(chosen) + 1]}
     if main and chosen:
         print(f"{STAGE}: flex attention on {where}: {describe(chosen)} (torch's defaults do not fit)", flush=True)
     return chosen
+
+
+def step_error(e: BaseException) -> PipelineError:
+    """A kernel setup's probe ran that does not fit at a training step (another mask, length or
+    graph than the probe's): one line with the device and every option tried, the last the one in use."""
+    rec = installed or {"where": "this GPU", "tried": [None]}
+    tried = "; ".join(f"[{describe(o)}]" for o in rec["tried"])
+    return PipelineError(f"flex attention does not fit {rec['where']} at a training step, with "
+                         f"{describe(rec['tried'][-1])} that the start-up probe ran ({short(e)}); options "
+                         f"tried: {tried}; {ADVICE}")
+
+
+def in_one_line(forward_backward: Callable) -> Callable:
+    """Trainer.forward_backward's hook: a flex kernel that does not fit, met at a training step, is
+    step_error's one line, not an InductorError traceback; any other failure propagates as it is."""
+    @functools.wraps(forward_backward)
+    def run(trainer, *args, **kwargs):
+        try:
+            return forward_backward(trainer, *args, **kwargs)
+        except Exception as e:
+            if trainer.model.kernels.get("attn") != "flex" or not is_smem_error(e):
+                raise
+            raise step_error(e) from None
+    return run

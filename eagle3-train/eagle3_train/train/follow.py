@@ -17,9 +17,11 @@ OUT/heldout when it is taken (only they: the set is at most --val-max-samples).
 
 Consumption: a checkpoint records the shards whose batches are all trained by its step as consumed;
 once it is committed they are deleted (a resume deletes any a kill left). A resume starts from that
-step, so it never needs a deleted shard and never trains a sample twice. A single process that waits
-for a shard while it holds trained ones checkpoints (without validating) to delete them: the producer
-may be waiting for that room.
+step, so it never needs a deleted shard and never trains a sample twice. 04 waiting for a shard while
+it holds trained ones checkpoints (without validating) to delete them: the producer may be waiting for
+that room. After --follow-timeout seconds without a new shard it checkpoints and stops (FollowTimeout,
+exit 75), so a rerun neither retrains a step nor needs a shard it trained. Under torchrun the ranks
+decide both together (one all-reduce per poll).
 """
 
 from __future__ import annotations
@@ -43,6 +45,16 @@ from eagle3_train.train.config import HELDOUT, STAGE, TrainConfig
 from eagle3_train.train.data import Loader, Plan, cut_summary, pack, split_ids, train_units
 
 POLL_S = 0.25  # how often a waiting follower looks at the index
+
+
+class Starved(Exception):
+    """No new shard for --follow-timeout seconds, agreed by every rank (the trainer checkpoints,
+    then stops with FollowTimeout)."""
+
+
+class FollowTimeout(PipelineError):
+    """04 stopped at --follow-timeout after a checkpoint that holds all it trained: the CLI exits
+    EXIT_FOLLOW_TIMEOUT (75), not 2, so a driver can tell "rerun once there is more" from an error."""
 
 
 def unit_sample(u) -> str:
@@ -81,9 +93,15 @@ def open_growing(config: TrainConfig, dtype: torch.dtype) -> hs.GrowingStore:
     if not directory.is_dir() and not directory.parent.is_dir():
         raise PipelineError(f"--hidden-states {directory}: neither it nor its parent exists")
     def ready():
-        if (directory / hs.PLAN).exists() and (header := hs.read_header(directory)) is not None:
+        if (header := hs.read_header(directory)) is None:
+            return None
+        if (directory / hs.PLAN).exists():
             return header
-        return None
+        # 02 writes plan.json before header.json: a header alone is a producer that plans nothing ahead
+        raise PipelineError(f"{directory} has {hs.HEADER} but no {hs.PLAN}: its producer (01b "
+                            "--capture-hidden-states) writes the plan only when it finishes, and --follow needs it "
+                            "from the start (it fixes the split, the batches and the steps); train once 01b has "
+                            "finished (its plan.json lists every shard), or make the store with 02")
 
     header = wait_for(ready, what=f"no {hs.HEADER} and {hs.PLAN} in {directory} yet", directory=directory,
                       timeout=config.follow_timeout, log_path=None, every_s=config.progress_every)
@@ -205,31 +223,57 @@ class Follow:
             self.arrivals.append(k)
         self.last_new = time.monotonic()
 
+    def take_ready(self, n: int) -> bool:
+        """Take the committed shards (in arrival order) until the stream holds `n` batches or every
+        shard is taken: whether it got there without waiting."""
+        while len(self.stream) < n and len(self.arrivals) < len(self.shards):
+            entry = self.next_entry()
+            if entry is None:
+                return False
+            self.waiting = False
+            self.take(entry)
+        return True
+
     def ensure(self, n: int) -> None:
         """Take shards until the stream holds `n` batches (or every shard is taken), waiting for
-        the producer when the next one is not committed yet."""
-        while len(self.stream) < n and len(self.arrivals) < len(self.shards):
+        the producer when the next one is not committed yet (the loader thread; the trainer's
+        batches_for decides, with every rank, when the wait has lasted --follow-timeout)."""
+        while not self.take_ready(n):
             if self.stopping.is_set():
                 raise PipelineError("stopped while waiting for shards")
-            entry = self.next_entry()
-            if entry is not None:
-                self.waiting = False
-                self.take(entry)
-                continue
             self.wait()
 
     def finish(self) -> None:
-        """Every shard taken: the last validation sees every held-out sample."""
-        self.ensure(self.plan.batches_total + 1)
+        """Every shard taken: the last validation sees every held-out sample. Under torchrun the
+        ranks poll together, so they all go on, or all stop at --follow-timeout (Starved)."""
+        while True:
+            self.take_ready(self.plan.batches_total + 1)
+            missing, starved = self.agree(len(self.arrivals) < len(self.shards), self.starved())
+            if not missing:
+                return
+            if starved:
+                raise Starved(self.starved_line())
+            self.wait()
+
+    def agree(self, *flags: bool) -> list[bool]:
+        """Each flag true on any rank (one all-reduce under torchrun: every rank calls it as often)."""
+        if self.d.world == 1:
+            return list(flags)
+        t = self.d.sum(torch.tensor([int(f) for f in flags], dtype=torch.int64, device=self.d.device))
+        return [bool(v) for v in t.tolist()]
+
+    def starved(self) -> bool:
+        return self.waiting and time.monotonic() - self.last_new > self.config.follow_timeout
+
+    def starved_line(self) -> str:
+        committed = len(set(hs.committed_shards(self.dir)) & set(self.shards))
+        return (f"no new shard in {self.dir} for {self.config.follow_timeout:.0f} s (--follow-timeout; "
+                f"{committed} of {len(self.shards)} committed, {len(self.arrivals)} trained from): is the producer "
+                f"still running? see {self.dir / 'progress.log'}")
 
     def wait(self) -> None:
         now = time.monotonic()
         committed = len(set(hs.committed_shards(self.dir)) & set(self.shards))
-        if now - self.last_new > self.config.follow_timeout:
-            raise PipelineError(f"no new shard in {self.dir} for {self.config.follow_timeout:.0f} s "
-                                f"(--follow-timeout; {committed} of {len(self.shards)} committed, "
-                                f"{len(self.arrivals)} trained from): is the producer still running? see "
-                                f"{self.dir / 'progress.log'}")
         if self.d.main and (not self.waiting or now - self.said >= self.config.progress_every):
             hs.note(self.log_path, STAGE, f"waiting for shards: {committed} of {len(self.shards)} committed, "
                                           f"{len(self.arrivals)} taken (producer: {self.dir / 'progress.log'})")
@@ -238,15 +282,20 @@ class Follow:
         time.sleep(POLL_S)
 
     def batches_for(self, future, step: int, save):
-        """A prefetched step's batches, the trainer being at `step`; while the loader waits for a
-        shard, a single process that holds trained, unconsumed shards checkpoints (`save`) so they
-        are deleted (under torchrun the ranks would have to agree when: --save-every does it)."""
+        """A prefetched step's batches, the trainer being at `step`. While a loader waits for a
+        shard, trained unconsumed shards are checkpointed (`save`) so they are deleted (a producer
+        may wait for that room); once one has waited --follow-timeout, Starved. Under torchrun the
+        ranks poll in lockstep (agree), so they save and stop together."""
         while True:
-            try:
-                return future.result(timeout=POLL_S)
-            except FutureTimeout:
-                if self.config.consume and self.waiting and self.d.world == 1 and self.trained(step) - self.consumed:
-                    save()
+            pending, starved, waiting = self.agree(not future.done(), self.starved(), self.waiting)
+            if not pending:
+                return future.result()
+            if starved:
+                raise Starved(self.starved_line())
+            if self.config.consume and waiting and self.trained(step) - self.consumed:
+                save()
+            with contextlib.suppress(FutureTimeout):
+                future.result(timeout=POLL_S)
 
     def stop(self) -> None:
         self.stopping.set()

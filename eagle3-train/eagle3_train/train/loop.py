@@ -19,15 +19,18 @@ from pathlib import Path
 
 import torch
 
+from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.manifest import MANIFEST, read_manifest, text_config
 from eagle3_train.common.progress import Progress
 from eagle3_train.common.store import atomic_write_json
+from eagle3_train.train import flex
 from eagle3_train.train.budget import choose_length, choose_lr, parse_budget
 from eagle3_train.train.checkpoint import Checkpointer
-from eagle3_train.train.config import CKPT_DIR, EXPORT, SCHEDULE, STAGE, TrainConfig
+from eagle3_train.train.config import CKPT_DIR, EXIT_FOLLOW_TIMEOUT, EXPORT, SCHEDULE, STAGE, STOPPED, TrainConfig
 from eagle3_train.train.data import Loader, make_plan, shifted
 from eagle3_train.train.dist import Dist, setup_dist
 from eagle3_train.train.draft import lr_lambda
+from eagle3_train.train.follow import FollowTimeout, Starved
 from eagle3_train.train.inputs import Inputs, input_identity, open_inputs
 from eagle3_train.train.metrics import Meter, Recorder
 from eagle3_train.train.model import build_model, draft_arch
@@ -54,6 +57,8 @@ def run(config: TrainConfig, *, on_step: Callable[[int], None] | None = None) ->
             out.mkdir(parents=True, exist_ok=True)
             clean_temp_files(out)
             clean_temp_files(out / CKPT_DIR)
+            with contextlib.suppress(FileNotFoundError):  # says how the last run stopped, not this one
+                (out / STOPPED).unlink()
             # Resume this run, refuse another one, or (--overwrite) move it aside and start over.
             rerun.prepare(config, inputs=identity)
         d.barrier()
@@ -107,6 +112,7 @@ class Trainer:
         self.checkpointer = Checkpointer(out, d, interval=config.save_every, keep_last=config.keep_last)
         self.best = {"step": None, "acceptance_length": None}  # by validation acceptance
         self.step = 0
+        self.saved_step = self.validated_step = None  # of the last checkpoint; the last validation's
 
     def choose_lr(self) -> dict:
         """{"lr", "lr_why"}: --lr or the width rule (budget.choose_lr); a resume keeps the one its
@@ -176,32 +182,63 @@ class Trainer:
         prefetch = ThreadPoolExecutor(1)
         upcoming = prefetch.submit(self.loader.step, self.step) if self.step < total_steps else None
         self.model.objective.train()
+        started = self.step
         try:
-            while self.step < total_steps:
-                if self.follow is None:
-                    micro_batches = upcoming.result()
-                else:  # waiting for a shard, it may checkpoint to delete the trained ones
-                    micro_batches = self.follow.batches_for(upcoming, self.step,
-                                                            lambda: self.validate_and_save(meter, validate=False))
-                if self.step + 1 < total_steps:
-                    upcoming = prefetch.submit(self.loader.step, self.step + 1)
-                loss, metrics, grad_norm, lr = self.train_step(micro_batches)
-                self.step += 1
-                meter.add(loss, metrics, grad_norm)
-                recorder.step(loss, lr, metrics["tokens"])
-                if self.step % config.log_every == 0 or self.step == total_steps:
-                    # Summed over processes: every rank takes part, rank 0 writes.
-                    recorder.train(self.step, self.plan.locate(self.step - 1)[0], lr, meter.reduce(d))
-                    meter = Meter(config.draft_steps)
-                if self.checkpointer.should_save(self.step, last_step=total_steps):
+            try:
+                while self.step < total_steps:
+                    if self.follow is None:
+                        micro_batches = upcoming.result()
+                    else:  # waiting for a shard, it may checkpoint to delete the trained ones
+                        micro_batches = self.follow.batches_for(upcoming, self.step,
+                                                                lambda: self.validate_and_save(meter, validate=False))
+                    if self.step + 1 < total_steps:
+                        upcoming = prefetch.submit(self.loader.step, self.step + 1)
+                    loss, metrics, grad_norm, lr = self.train_step(micro_batches)
+                    self.step += 1
+                    meter.add(loss, metrics, grad_norm)
+                    recorder.step(loss, lr, metrics["tokens"])
+                    if self.step % config.log_every == 0 or self.step == total_steps:
+                        # Summed over processes: every rank takes part, rank 0 writes.
+                        recorder.train(self.step, self.plan.locate(self.step - 1)[0], lr, meter.reduce(d))
+                        meter = Meter(config.draft_steps)
+                    if self.checkpointer.should_save(self.step, last_step=total_steps):
+                        self.validate_and_save(meter)
+                    if on_step is not None:
+                        on_step(self.step)
+                if self.validated_step != self.step:
+                    # resumed at the last step from a checkpoint that did not validate (--follow saves
+                    # one before the last validation waits for every shard): validate before export
                     self.validate_and_save(meter)
-                if on_step is not None:
-                    on_step(self.step)
+            except Starved as e:
+                self.stop_starved(meter, str(e), started)
         finally:
             if self.follow is not None:
                 self.follow.stop()  # a loader waiting for a shard gives up
             prefetch.shutdown(wait=True, cancel_futures=True)
             recorder.close("finished" if self.step >= total_steps else f"stopped at step {self.step}")
+
+    def unsaved(self) -> bool:
+        """Whether the last checkpoint misses this step, or (--consume) trained shards to delete."""
+        follow = self.follow
+        return self.saved_step != self.step or bool(follow and self.config.consume
+                                                    and follow.trained(self.step) - follow.consumed)
+
+    def stop_starved(self, meter: Meter, why: str, started: int) -> None:
+        """--follow-timeout: checkpoint what this run trained (every rank together), so a rerun
+        neither retrains it nor keeps the shards it trained; FollowTimeout (exit 75) if it took or
+        trained anything new, else an error (the producer never came, or the bound leaves no room:
+        a driver that reran on 75 would loop for ever)."""
+        follow = self.follow
+        if self.step == started and len(follow.arrivals) <= len(follow.replay):
+            raise PipelineError(f"{why}; this run took no new shard and trained no step (is --max-store-gb "
+                                "below the shards one step needs?)")
+        if self.unsaved():
+            self.validate_and_save(meter, validate=False)
+        line = f"{why}; checkpointed at step {self.step} of {self.total_steps}: rerun to go on"
+        if self.d.main:
+            atomic_write_json(self.out / STOPPED, {"stopped": "follow-timeout", "exit_code": EXIT_FOLLOW_TIMEOUT,
+                                                   "step": self.step, "message": line, "time": time.time()})
+        raise FollowTimeout(line)
 
     def resume(self) -> dict | None:
         """Load the last checkpoint, if any (its meter sums returned); else seed a fresh run."""
@@ -212,6 +249,8 @@ class Trainer:
         for sched, sd in zip(self.schedulers, state.get("schedulers") or [state["scheduler"]], strict=True):
             sched.load_state_dict(sd)
         self.step, self.best = state["step"], state["best"]
+        self.saved_step = self.step
+        self.validated_step = self.step if state.get("validated", True) else None
         if self.follow is not None:
             self.follow.restore(state.get("follow"))
         if state.get("per_step") != self.plan.per_step and self.d.main:
@@ -233,6 +272,7 @@ class Trainer:
             sched.step()
         return loss, metrics, grad_norm, lr
 
+    @flex.in_one_line  # a flex kernel that does not fit at a step: one error line (flex.step_error)
     def forward_backward(self, micro_batches: list) -> tuple[float, dict]:
         """Gradients of one step's micro-batches (averaged): (mean loss, metrics)."""
         model, d = self.model, self.d
@@ -275,9 +315,11 @@ class Trainer:
         samples reached so far, the best only among checkpoints that saw all; --consume deletes the
         shards this checkpoint records as trained once it is committed."""
         complete = True
-        if self.follow is not None and validate and self.config.consume and self.step >= self.total_steps:
+        if self.follow is not None and validate and self.step >= self.total_steps and self.unsaved() \
+                and (self.config.consume or len(self.follow.arrivals) < len(self.follow.shards)):
             # The last validation waits for every shard (their held-out samples), and a producer bound
-            # by --max-store-gb waits for room: checkpoint first, so the trained shards are deleted.
+            # by --max-store-gb waits for room: checkpoint first, so the trained shards are deleted
+            # (and a --follow-timeout there loses no step).
             self.validate_and_save(meter, validate=False)
         if self.follow is not None and validate:
             self.loader.val_batches, complete = self.follow.val_batches(self.step)
@@ -287,7 +329,7 @@ class Trainer:
         epoch, in_epoch = self.plan.locate(self.step)
         position = {"epoch": epoch, "batches_in_epoch": in_epoch * self.plan.per_step}
         state = {"step": self.step, "best": self.best, "schedulers": [s.state_dict() for s in self.schedulers],
-                 "optimizer": self.config.optimizer, "meter": meter.s,
+                 "optimizer": self.config.optimizer, "meter": meter.s, "validated": validate,
                  "per_step": self.plan.per_step, **position}
         summary = {"step": self.step, **position, "total_steps": self.total_steps, "val": val, "best": self.best,
                    "world_size": self.d.world, "time": time.time()}
@@ -296,6 +338,9 @@ class Trainer:
         path = self.checkpointer.save(self.step, self.model.objective, self.optimizers, state, summary,
                                       {self.best["step"]} if self.best["step"] else set())
         self.recorder.checkpoint(self.step, path, val)
+        self.saved_step = self.step
+        if validate:
+            self.validated_step = self.step
         if self.follow is not None:
             self.follow.consume()
 
