@@ -214,6 +214,28 @@ def test_an_answer_whose_states_were_lost_is_asked_again(tmp_path, tiny_reasoner
     assert [r["id"] for r in read_records(raw)] == ["q0", "q2"] and again.stats["asked_again"] == 1
 
 
+def test_the_header_says_how_many_samples_to_expect(tmp_path, tiny_reasoner_dir):
+    """header.json (written at each start, before any shard) carries expected_samples: this run's
+    ids and those answered before, less the answers without states. 04 --follow estimates its
+    steps from it, since a capture store has no plan.json until 01b ends."""
+    cfg = _cfg(tmp_path, tiny_reasoner_dir, shard_mb=0.001)
+    out, raw = cfg.output_dir, cfg.output_dir / "raw_responses.jsonl"
+    out.mkdir()
+    cap = cx.Capture(cfg, out)
+    cap.open(raw, ["q0", "q1", "q2", "q3"])
+    assert json.loads((out / "hidden" / hs.HEADER).read_text())["expected_samples"] == 4
+    cap.add(*_answer(0))
+    cap.add({"id": "q1", "prompt_token_ids": [1], "token_ids": [], "finish_reason": "stop"}, None)  # 01c drops it
+    cap.add(*_answer(4))  # answered by a run asked for more
+    cap.close()
+    again = cx.Capture(cfg, out)
+    again.open(raw, ["q0", "q1", "q2", "q3"])
+    again.close()
+    header = json.loads((out / "hidden" / hs.HEADER).read_text())
+    assert header["expected_samples"] == 4  # q0, q2, q3, q4: q1 has no states
+    assert {k: header[k] for k in hs.HEADER_KEYS} == again.header()
+
+
 # ----------------------------------------------------------------------------- an unusable states file
 
 BAD_FILES = ("missing", "garbage", "other-ids")  # what a request's states file can turn out to be

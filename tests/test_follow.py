@@ -3,7 +3,9 @@ each sample once, each shard deleted once trained and checkpointed, the producer
 --max-store-gb; kill -9 of 04 then rerun equals an uninterrupted follow run with the same arrival
 order; a producer that dies leaves 04 stopping at --follow-timeout with a line naming its log (exit
 75 after a checkpoint, 2 when nothing new came); the README's one-box alternation (02
---stop-when-full, then 04 until starved) turn by turn; two torchrun ranks stopping together.
+--stop-when-full, then 04 until starved) turn by turn; two torchrun ranks stopping together; a
+producer that plans nothing ahead (01b's capture mode: header.json with expected_samples, plan.json
+at its end) followed open-ended, killed and rerun.
 
 The fake producer (fault injection and exact disk accounting) commits the shards of a store made
 beforehand, one by one, under the same back-pressure rule as 02 (hidden_store.wait_for_room); one
@@ -62,7 +64,7 @@ class Producer:
     after each commit (the store only grows at a commit, so that is its high-water mark)."""
 
     def __init__(self, src: Path, dst: Path, *, bound: int | None = None, stop_after: int | None = None,
-                 delay: float = 0.0, order: list[int] | None = None):
+                 delay: float = 0.0, order: list[int] | None = None, open_ended: bool = False):
         self.src, self.dst, self.bound, self.stop_after, self.delay = Path(src), Path(dst), bound, stop_after, delay
         every = sorted(hs.committed_shards(self.src).values(), key=lambda e: e["k"])
         # commit order other than shard order (several writers, a redone shard), or only some shards
@@ -71,10 +73,16 @@ class Producer:
         self.error = None
         self.dst.mkdir(parents=True, exist_ok=True)
         man = read_manifest(self.src)
-        (self.dst / hs.HEADER).write_text(json.dumps({k: man.get(k) for k in hs.HEADER_KEYS}))
+        header = {k: man.get(k) for k in hs.HEADER_KEYS}
+        # open_ended: as 01b's capture mode, the samples it will ask for in the header, plan.json at the end
+        if open_ended:
+            header["expected_samples"] = sum(len(e["ids"]) for e in every)
+        (self.dst / hs.HEADER).write_text(json.dumps(header))
         plan = {"version": 1, "shards": [{"k": e["k"], "ids": e["ids"], "lengths": e["lengths"], "tokens": e["tokens"]}
                                          for e in every]}
-        (self.dst / hs.PLAN).write_text(json.dumps(plan))
+        self.plan = plan if open_ended else None
+        if not open_ended:
+            (self.dst / hs.PLAN).write_text(json.dumps(plan))
         self.manifest = man
         self.thread = threading.Thread(target=self.produce, daemon=True)
 
@@ -97,6 +105,8 @@ class Producer:
                 with JsonlWriter(self.dst / hs.INDEX) as w:
                     w.write({**e, "seq": time.time_ns()})
                 self.peak = max(self.peak, hs.store_bytes(self.dst))
+            if self.plan is not None:
+                (self.dst / hs.PLAN).write_text(json.dumps(self.plan))
             (self.dst / "manifest.json").write_text(json.dumps(self.manifest))
         except Exception as ex:  # surfaced by the test
             self.error = ex
@@ -195,16 +205,21 @@ def steps_logged(out: Path) -> int:
         return 0
 
 
-def kill_then_rerun(inputs, tmp_path, kill_after_step: int, extra_delay: float, expect_consumed=False, order=None):
+def kill_then_rerun(inputs, tmp_path, kill_after_step: int, extra_delay: float, expect_consumed=False, order=None,
+                    open_ended=False):
     ref_store, store = tmp_path / "ref-store", tmp_path / "store"
-    with Producer(inputs["store"], ref_store, order=order):
-        pass
     ref = tmp_path / "ref"
-    run(stage.parse_args(argv(inputs, ref_store, ref, save_every=2)))
-    out = tmp_path / "run"
     shard = max(e["bytes"] for e in hs.committed_shards(inputs["store"]).values())
+    if open_ended:  # the reference follows a live producer too (the bound keeps it live): a finished store
+        with Producer(inputs["store"], ref_store, bound=3 * shard, open_ended=True):  # would be followed as planned
+            run(stage.parse_args(argv(inputs, ref_store, ref, save_every=2)))
+    else:
+        with Producer(inputs["store"], ref_store, order=order):
+            pass
+        run(stage.parse_args(argv(inputs, ref_store, ref, save_every=2)))
+    out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    with Producer(inputs["store"], store, bound=3 * shard, delay=0.2, order=order) as prod:
+    with Producer(inputs["store"], store, bound=3 * shard, delay=0.2, order=order, open_ended=open_ended) as prod:
         proc = subprocess.Popen([sys.executable, str(SCRIPT), *argv(inputs, store, out, save_every=2)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         try:
@@ -369,14 +384,54 @@ def test_torchrun_ranks_checkpoint_and_stop_together_at_the_timeout(inputs, tmp_
     assert read_metrics(out)["val"][-1]["step"] == man["counts"]["steps"]
 
 
-def test_follow_refuses_a_store_whose_producer_plans_nothing_ahead(inputs, tmp_path):
-    """header.json without plan.json (01b's capture mode writes the plan at its end): refused at
-    once with what to do, not after --follow-timeout with a line blaming the producer."""
+def test_follow_open_ended_beside_a_bounded_producer_that_plans_nothing_ahead(inputs, tmp_path, monkeypatch):
+    """A producer as 01b's capture mode: header.json with expected_samples, plan.json only at its end.
+    04 --follow --consume follows it open-ended (recorded in run.json) under a two-shard bound: every
+    training sample once, every shard consumed, the held-out ids split as they came, the horizon
+    fixed at the first --save-every checkpoint and recorded with the steps the pass made."""
+    from eagle3_train.common import rerun
+
+    seen = record_training(monkeypatch)
+    store, out = tmp_path / "store", tmp_path / "run"
+    shard = max(e["bytes"] for e in hs.committed_shards(inputs["store"]).values())
+    with Producer(inputs["store"], store, bound=2 * shard, order=PERMUTED, open_ended=True) as prod:
+        man = run(stage.parse_args(argv(inputs, store, out, save_every=2)))
+    assert prod.error is None and (store / hs.PLAN).exists()
+    assert rerun.read_record(out)["inputs"]["hidden_states"]["follow_mode"] == "open"
+    assert Counter(seen) == Counter(expected_train_ids(inputs["store"])), "every training sample exactly once"
+    assert prod.peak <= 2 * shard + shard and shards_left(store) == []
+    steps, h = man["counts"]["steps"], man["recipe"]["horizon"]
+    assert man["recipe"]["total_steps"] == steps and h["at_step"] == 2 and h["expected_samples"] == N
+    assert 2 <= h["horizon"] and h["trained_samples"] > 0
+    last = json.loads(sorted((out / "checkpoints").glob("step-*/state.json"))[-1].read_text())
+    assert last["follow"]["arrivals"] == PERMUTED and last["follow"]["consumed"] == list(range(N // SHARD))
+    assert sorted(last["follow"]["val"]) == man["split"]["val_ids"] == sorted(hs.HiddenStates(out / "heldout").ids)
+    assert last["horizon"] == h["horizon"]
+    val = read_metrics(out)["val"]
+    assert val[-1]["step"] == steps and man["best"]["step"] == steps  # only the last validation saw every id
+    # plan.json is there now, but a rerun keeps the mode its first start recorded (and the identity: the header)
+    from eagle3_train.train.follow_open import mode
+
+    assert mode(stage.parse_args(argv(inputs, store, out)), store, hs.read_header(store)) == "open"
+
+
+def test_sigkill_of_open_ended_follow_then_rerun_matches_uninterrupted(inputs, tmp_path):
+    """kill -9 of 04 --follow --consume beside an open-ended producer, then a rerun: it keeps the
+    recorded mode and horizon, and equals bit for bit an uninterrupted open-ended run."""
+    kill_then_rerun(inputs, tmp_path, kill_after_step=5, extra_delay=0.02, open_ended=True)
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["inputs"]["hidden_states"]["follow_mode"] == "open"
+    assert read_manifest(tmp_path / "run")["recipe"]["horizon"] == read_manifest(tmp_path / "ref")["recipe"]["horizon"]
+
+
+def test_follow_refuses_a_header_without_expected_samples_and_no_plan(inputs, tmp_path):
+    """header.json without plan.json and without expected_samples (an older 01b): refused at once
+    with what to do, not after --follow-timeout with a line blaming the producer."""
     store = tmp_path / "store"
     with Producer(inputs["store"], store, stop_after=1):
         pass
     (store / hs.PLAN).unlink()
-    with pytest.raises(PipelineError, match=r"has header\.json but no plan\.json: its producer \(01b"):
+    with pytest.raises(PipelineError, match=r"has header\.json but no plan\.json, and its header says nothing of "
+                                            r"the samples to come \(expected_samples\).*rerun 01b"):
         run(stage.parse_args(argv(inputs, store, tmp_path / "run", follow_timeout=5)))
 
 

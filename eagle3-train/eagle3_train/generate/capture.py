@@ -241,8 +241,9 @@ class Capture:
 
     # ------------------------------------------------------------------------- start: repair
 
-    def open(self, raw_path: Path) -> None:
-        """Make the answers and the store agree after whatever stopped the last run (module doc, 3)."""
+    def open(self, raw_path: Path, requested=()) -> None:
+        """Make the answers and the store agree after whatever stopped the last run (module doc, 3);
+        `requested`: the prompt ids this run asks for (header.json's expected_samples)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / JOURNAL).mkdir(exist_ok=True)
         clean_temp_files(self.dir)
@@ -287,8 +288,13 @@ class Capture:
         entries = list(read_jsonl(self.dir / hs.INDEX))
         self._next_k = 1 + max((e["k"] for e in entries), default=-1)
         (self.dir / MANIFEST).unlink(missing_ok=True)  # complete again only when finalize() says so
-        # what the manifest will say of the format, before the first shard (02 does the same): a follower checks it
-        atomic_write_json(self.dir / hs.HEADER, {"stage": hs.STAGE, "complete": False, **self.header()})
+        # what the manifest will say of the format, before the first shard (02 does the same): a follower checks
+        # it; and the samples to expect (this run's ids and those answered before, less the answers without
+        # states), from which 04 --follow estimates its steps (it sees no plan.json until the end)
+        answered = {r["id"]: r.get("captured") for r in read_jsonl(raw_path) if "id" in r}
+        expected = len(set(requested) | set(answered)) - sum(1 for c in answered.values() if c is False)
+        atomic_write_json(self.dir / hs.HEADER, {"stage": hs.STAGE, "complete": False, **self.header(),
+                                                 "expected_samples": expected})
         if self.own_requests and self.req_dir.is_dir():  # files of requests a killed run never collected
             for p in self.req_dir.iterdir():
                 vx.remove_request_file(p) if p.is_file() else None

@@ -358,7 +358,7 @@ def run_generation(args) -> RunResult:
         raw_path, err_path = out_dir / RAW, out_dir / ERRORS
         JsonlWriter(raw_path).close()  # repairs a torn tail left by kill -9 before we read it
         if cap is not None:  # answers and states made to agree again after a kill (capture.py)
-            cap.open(raw_path)
+            cap.open(raw_path, ps.ids)
         committed = set(committed_ids(raw_path))
         failed = compact_errors(err_path, committed)
         plan = plan_work(ps.ids, committed, failed)

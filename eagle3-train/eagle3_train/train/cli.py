@@ -59,7 +59,7 @@ def parse_args(argv=None) -> TrainConfig:
     for name in MLA_FIELDS:
         g.add_argument(f"--{name.replace('_', '-')}", type=int, **C.arg(name))
     g.add_argument("--aux-layer-ids", type=_ids, **C.arg("aux_layer_ids"))
-    g.add_argument("--norm-before-residual", action="store_true", **C.arg("norm_before_residual"))
+    g.add_argument("--norm-before-residual", action=argparse.BooleanOptionalAction, **C.arg("norm_before_residual"))
     g.add_argument("--norm-before-fc", action=argparse.BooleanOptionalAction, **C.arg("norm_before_fc"))
     g.add_argument("--norm-output", action=argparse.BooleanOptionalAction, **C.arg("norm_output"))
     g.add_argument("--train-embeddings", action="store_true", **C.arg("train_embeddings"))

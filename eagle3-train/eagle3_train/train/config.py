@@ -81,11 +81,15 @@ class TrainConfig(StageConfig):
     draft_v_head_dim: int | None = setting(None, help="mla: per-head value dims (default: target's)")
     aux_layer_ids: list[int] | None = setting(None, help="aux layers the draft reads, a subset of the store's "
                                                          "(default: all of them)")
-    norm_before_residual: bool = setting(False, help="normalise the fused hidden state before the residual "
-                                                     "(default: off; speculators' eagle3 CLI turns it on)")
-    norm_output: bool = setting(False, help="feed the final-normed hidden state, not the pre-norm one, to the "
-                                            "next TTT step (vLLM reads `norm_output` from the export; "
-                                            "speculators' eagle3 CLI turns it on)")
+    # On by default since issue 28's benchmark: without a norm on the state fed from step to step the
+    # draft falls off past its TTT horizon (k = 7: AL 6.34 off, 7.39 / 7.40 with either, 7.24 both
+    # at fewer steps; k = 3 unchanged), so a draft trained at TTT 3 can be served at k = 7.
+    norm_before_residual: bool = setting(True, help="normalise the fused hidden state before the residual "
+                                                    "(as speculators' eagle3 CLI; vLLM reads "
+                                                    "`norm_before_residual`)")
+    norm_output: bool = setting(True, help="feed the final-normed hidden state, not the pre-norm one, to the "
+                                           "next TTT step (vLLM reads `norm_output` from the export; as "
+                                           "speculators' eagle3 CLI)")
     norm_before_fc: bool = setting(True, help="RMSNorm over the aux states before fc: over their concatenation "
                                               "for a Llama/Qwen3 layer (vLLM's Eagle3 Llama `norm_before_fc`, "
                                               "speculators' eagle3 default), one per aux layer for the MLA layer "
@@ -160,9 +164,14 @@ class TrainConfig(StageConfig):
                                              "(split.is_heldout, the rule 03 and 05 use)")
     val_max_samples: int | None = setting(500, help="validate on at most this many held-out samples")
     seed: int = setting(0, help="initialisation and data order")
-    follow: bool = setting(False, help="train on a store still being written by 02: shards in "
-                                       "the order its index commits them, one pass, waiting when none is ready; "
-                                       "validation on the held-out ids of the shards reached so far (default: off)")
+    follow: bool = setting(False, help="train on a store still being written, by 02 or by 01b "
+                                       "--capture-hidden-states: shards in the order its index commits them, one "
+                                       "pass, waiting when none is ready; validation on the held-out ids of the "
+                                       "shards reached so far. 01b's store (no plan.json until it ends) is followed "
+                                       "open-ended: the split is made as shards come, the lr schedule runs over a "
+                                       "horizon estimated at the first --save-every checkpoint from header.json's "
+                                       "expected_samples, and the pass ends with the producer's manifest "
+                                       "(default: off)")
     consume: bool = setting(False, help="with --follow: delete each shard once all its samples are trained and a "
                                         "checkpoint records it (held-out samples are copied to OUT/heldout first), "
                                         "making room for a producer bound by --max-store-gb (default: off)")

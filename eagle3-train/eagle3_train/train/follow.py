@@ -22,6 +22,9 @@ it holds trained ones checkpoints (without validating) to delete them: the produ
 that room. After --follow-timeout seconds without a new shard it checkpoints and stops (FollowTimeout,
 exit 75), so a rerun neither retrains a step nor needs a shard it trained. Under torchrun the ranks
 decide both together (one all-reduce per poll).
+
+A producer that plans nothing ahead (01b's capture mode: header.json with expected_samples, no
+plan.json until its end) is followed open-ended: see follow_open.py.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.store import clean_temp_files
 from eagle3_train.train.config import HELDOUT, STAGE, TrainConfig
 from eagle3_train.train.data import Loader, Plan, cut_summary, pack, split_ids, train_units
+from eagle3_train.train.follow_open import EXPECTED, OPEN, UNBOUNDED, split_shard
+from eagle3_train.train.follow_open import mode as follow_mode
 
 POLL_S = 0.25  # how often a waiting follower looks at the index
 
@@ -95,25 +100,29 @@ def open_growing(config: TrainConfig, dtype: torch.dtype) -> hs.GrowingStore:
     def ready():
         if (header := hs.read_header(directory)) is None:
             return None
-        if (directory / hs.PLAN).exists():
-            return header
         # 02 writes plan.json before header.json: a header alone is a producer that plans nothing ahead
-        raise PipelineError(f"{directory} has {hs.HEADER} but no {hs.PLAN}: its producer (01b "
-                            "--capture-hidden-states) writes the plan only when it finishes, and --follow needs it "
-                            "from the start (it fixes the split, the batches and the steps); train once 01b has "
-                            "finished (its plan.json lists every shard), or make the store with 02")
+        found = follow_mode(config, directory, header)
+        return None if found is None else (header, found)
 
-    header = wait_for(ready, what=f"no {hs.HEADER} and {hs.PLAN} in {directory} yet", directory=directory,
-                      timeout=config.follow_timeout, log_path=None, every_s=config.progress_every)
-    return hs.GrowingStore(directory, header, dtype=dtype)
+    header, mode = wait_for(ready, what=f"no {hs.HEADER} in {directory} yet", directory=directory,
+                            timeout=config.follow_timeout, log_path=None, every_s=config.progress_every)
+    store = hs.GrowingStore(directory, header, dtype=dtype)
+    store.follow_mode = mode
+    if mode == OPEN:  # the producer's estimate, as its header said it (the manifest does not)
+        own = json.loads((directory / hs.HEADER).read_text()) if (directory / hs.HEADER).exists() else header
+        store.expected_samples = int(own.get(EXPECTED) or 0)
+    return store
 
 
-def follow_identity(directory: Path) -> str:
-    """What a followed store is for a resume: its format and its plan (the manifest comes too late)."""
-    header = hs.read_header(directory) or {}
-    plan = read_plan(directory) or {}
-    body = {"header": {k: header.get(k) for k in hs.HEADER_KEYS}, "shards": plan.get("shards")}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+def follow_identity(store: hs.GrowingStore) -> dict:
+    """What a followed store is for a resume: its format and its plan (the manifest comes too late);
+    open-ended, its format alone (its plan.json appears at the producer's end) and the mode."""
+    header = hs.read_header(store.directory) or {}
+    body = {"header": {k: header.get(k) for k in hs.HEADER_KEYS}}
+    if getattr(store, "follow_mode", None) != OPEN:
+        body["shards"] = (read_plan(store.directory) or {}).get("shards")
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+    return {"follow_identity": digest} | ({"follow_mode": OPEN} if "shards" not in body else {})
 
 
 @dataclass
@@ -132,7 +141,10 @@ class FollowLoader(Loader):
     follow: Follow
 
     def step(self, step: int):
-        self.follow.ensure((step + 1) * self.plan.per_step)
+        need = (step + 1) * self.plan.per_step
+        self.follow.ensure(need)
+        if self.follow.open and len(self.follow.stream) < need:  # ended: fewer than one more step
+            return None
         return super().step(step)
 
 
@@ -143,6 +155,33 @@ class Follow:
     def __init__(self, config: TrainConfig, store: hs.GrowingStore, out: Path, per_step: int, d):
         self.config, self.store, self.out, self.d = config, store, Path(out), d
         self.dir = store.directory
+        self.open = getattr(store, "follow_mode", None) == OPEN
+        self.ended = False  # open: the producer's manifest seen and every committed shard taken
+        self.stream: list = []
+        if self.open:
+            self.shards, self.batches, self.units, self.sizes = {}, {}, [], {}
+            self.train_ids, self.val_ids = set(), set()
+            self.plan = FollowPlan([], [], 0, [self.stream], per_step, {}, {}, batches_total=UNBOUNDED)
+        else:
+            self.planned(config, per_step)
+        self.arrivals: list[int] = []  # shards taken, in order
+        self.start: dict[int, int] = {}  # shard -> its first batch's position in the stream
+        self.replay: list[int] = []  # a resumed run's recorded arrivals, taken first
+        self.consumed: set[int] = set()
+        self.heldout = self.out / HELDOUT
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.waiting = False
+        self.said = 0.0
+        self.pending: set[int] = set()  # trained shards the checkpoint being saved consumes
+        self.log_path = self.out / "progress.log" if d.main else None
+        self.last_new = time.monotonic()
+        if config.consume and d.main:
+            self.heldout.mkdir(parents=True, exist_ok=True)
+            clean_temp_files(self.heldout)
+
+    def planned(self, config: TrainConfig, per_step: int) -> None:
+        """plan.json's shards: the split, every shard's batches and the pass's length, known now."""
         plan = read_plan(self.dir)
         self.shards = {int(s["k"]): s for s in plan["shards"]}
         lengths = {}
@@ -166,7 +205,6 @@ class Follow:
                                 config.max_tokens_per_batch, random.Random(f"{config.seed}:shard-{k}"),
                                 max_sample=cut)
                         for k, s in self.shards.items()}
-        self.stream: list = []
         self.plan = FollowPlan(train, val, dropped, [self.stream], per_step,
                                cut_summary(train, val, lengths, units, sizes, cut, config), lengths,
                                batches_total=sum(len(b) for b in self.batches.values()))
@@ -174,30 +212,49 @@ class Follow:
             raise PipelineError(f"{len(train)} training samples make {self.plan.batches_total} batches of "
                                 f"{config.max_tokens_per_batch} tokens, fewer than one step needs ({per_step} = "
                                 "processes x --grad-accum); lower --max-tokens-per-batch or add data")
-        self.arrivals: list[int] = []  # shards taken, in order
-        self.start: dict[int, int] = {}  # shard -> its first batch's position in the stream
-        self.replay: list[int] = []  # a resumed run's recorded arrivals, taken first
-        self.consumed: set[int] = set()
-        self.heldout = self.out / HELDOUT
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.waiting = False
-        self.said = 0.0
-        self.pending: set[int] = set()  # trained shards the checkpoint being saved consumes
-        self.log_path = self.out / "progress.log" if d.main else None
-        self.last_new = time.monotonic()
-        if config.consume and d.main:
-            self.heldout.mkdir(parents=True, exist_ok=True)
-            clean_temp_files(self.heldout)
+
+    def end_pass(self, step: int) -> int:
+        """Open-ended: the producer is done and the stream holds fewer than one more step: the pass is
+        `step` steps (what the plan, the cut report and the manifest then say)."""
+        cfg, plan = self.config, self.plan
+        with self.lock:
+            plan.batches_total = len(self.stream)
+        if not plan.train:
+            raise PipelineError(f"no training samples in {self.dir} after holding out {len(plan.val)} for "
+                                f"validation (--val-fraction {cfg.val_fraction})")
+        if step == 0:
+            raise PipelineError(f"{len(plan.train)} training samples make {len(self.stream)} batches of "
+                                f"{cfg.max_tokens_per_batch} tokens, fewer than one step needs ({plan.per_step} = "
+                                "processes x --grad-accum); lower --max-tokens-per-batch or add data")
+        self.summarize()
+        if cfg.consume and self.d.main and len(self.consumed) == len(self.arrivals):
+            self.close_heldout()  # a kill came between the last checkpoint and this
+        return plan.steps_in(0)
+
+    def summarize(self) -> None:
+        """Open-ended: what --max-sample-tokens cuts of what came (the manifest's `cut`)."""
+        cfg = self.config
+        cut = cfg.max_sample_tokens if not cfg.window_tokens else None
+        with self.lock:
+            self.plan.cut = cut_summary(self.plan.train, self.plan.val, self.plan.lengths, self.units, self.sizes,
+                                        cut, cfg)
+
+    def all_taken(self) -> bool:
+        return self.ended if self.open else len(self.arrivals) == len(self.shards)
 
     # -- arrival
 
     def next_entry(self) -> dict | None:
         """The next shard to take (its index entry), or None while it is not committed."""
+        done = self.open and (self.dir / "manifest.json").exists()  # looked at first: the index is final then
         committed = hs.committed_shards(self.dir)
         if len(self.arrivals) < len(self.replay):
             return committed.get(self.replay[len(self.arrivals)])
         taken = set(self.arrivals)
+        if self.open:  # one writer (01b): commit order
+            entry = next((e for e in committed.values() if e["k"] not in taken), None)
+            self.ended = entry is None and done
+            return entry
         if len(list(self.dir.glob("index*.jsonl"))) > 1:  # several producer ranks: shard order
             k = min(k for k in self.shards if k not in taken)
             return committed.get(k)
@@ -208,7 +265,9 @@ class Follow:
 
     def take(self, entry: dict) -> None:
         k = entry["k"]
-        if entry["ids"] != self.shards[k]["ids"]:
+        if self.open:
+            split_shard(self, entry)
+        elif entry["ids"] != self.shards[k]["ids"]:
             raise PipelineError(f"{entry['shard']} of {self.dir} holds other samples than its {hs.PLAN} lists; "
                                 "rerun 02 with --validate")
         if k in self.consumed:
@@ -226,10 +285,10 @@ class Follow:
     def take_ready(self, n: int) -> bool:
         """Take the committed shards (in arrival order) until the stream holds `n` batches or every
         shard is taken: whether it got there without waiting."""
-        while len(self.stream) < n and len(self.arrivals) < len(self.shards):
+        while len(self.stream) < n and not self.all_taken():
             entry = self.next_entry()
             if entry is None:
-                return False
+                return self.ended
             self.waiting = False
             self.take(entry)
         return True
@@ -248,7 +307,7 @@ class Follow:
         ranks poll together, so they all go on, or all stop at --follow-timeout (Starved)."""
         while True:
             self.take_ready(self.plan.batches_total + 1)
-            missing, starved = self.agree(len(self.arrivals) < len(self.shards), self.starved())
+            missing, starved = self.agree(not self.all_taken(), self.starved())
             if not missing:
                 return
             if starved:
@@ -265,17 +324,21 @@ class Follow:
     def starved(self) -> bool:
         return self.waiting and time.monotonic() - self.last_new > self.config.follow_timeout
 
+    def committed(self) -> str:
+        """"N of M committed" (open-ended: M is not known yet)."""
+        if self.open:
+            return f"{len(hs.committed_shards(self.dir))} committed (the producer has not finished)"
+        return f"{len(set(hs.committed_shards(self.dir)) & set(self.shards))} of {len(self.shards)} committed"
+
     def starved_line(self) -> str:
-        committed = len(set(hs.committed_shards(self.dir)) & set(self.shards))
         return (f"no new shard in {self.dir} for {self.config.follow_timeout:.0f} s (--follow-timeout; "
-                f"{committed} of {len(self.shards)} committed, {len(self.arrivals)} trained from): is the producer "
+                f"{self.committed()}, {len(self.arrivals)} trained from): is the producer "
                 f"still running? see {self.dir / 'progress.log'}")
 
     def wait(self) -> None:
         now = time.monotonic()
-        committed = len(set(hs.committed_shards(self.dir)) & set(self.shards))
         if self.d.main and (not self.waiting or now - self.said >= self.config.progress_every):
-            hs.note(self.log_path, STAGE, f"waiting for shards: {committed} of {len(self.shards)} committed, "
+            hs.note(self.log_path, STAGE, f"waiting for shards: {self.committed()}, "
                                           f"{len(self.arrivals)} taken (producer: {self.dir / 'progress.log'})")
             self.said = now
         self.waiting = True
@@ -318,7 +381,7 @@ class Follow:
         ids = self.val_ready(step)
         cfg = self.config
         return (pack(ids, self.plan.lengths, cfg.max_tokens_per_batch, None, max_sample=cfg.max_sample_tokens),
-                len(ids) == len(self.plan.val))
+                len(ids) == len(self.plan.val) and (self.ended or not self.open))  # open: more may come
 
     # -- consumption
 
@@ -326,7 +389,7 @@ class Follow:
         """Shards every batch of which lies before `step` (all taken ones once the pass is over)."""
         done = step * self.plan.per_step
         with self.lock:
-            if step >= self.plan.total_steps and len(self.arrivals) == len(self.shards):
+            if step >= self.plan.total_steps and self.all_taken():
                 return set(self.arrivals)
             return {k for k in self.arrivals
                     if (self.start[k] + len(self.batches[k]) <= done if self.batches[k] else self.start[k] < done)}
@@ -338,14 +401,18 @@ class Follow:
             arrivals = list(self.arrivals)
         if self.config.consume:
             self.pending = self.trained(step) - self.consumed
-        return {"arrivals": arrivals, "consumed": sorted(self.consumed | self.pending)}
+        out = {"arrivals": arrivals, "consumed": sorted(self.consumed | self.pending)}
+        if self.open:  # made as the shards came (a replay of the arrivals makes it again)
+            with self.lock:
+                out["val"] = list(self.plan.val)
+        return out
 
     def consume(self) -> None:
         for k in sorted(self.pending):
             self.consumed.add(k)
             self.delete(k)
         self.pending = set()
-        if self.d.main and self.config.consume and len(self.consumed) == len(self.shards):
+        if self.d.main and self.config.consume and self.all_taken() and len(self.consumed) == len(self.arrivals):
             self.close_heldout()
 
     def close_heldout(self) -> None:
@@ -400,12 +467,15 @@ class Follow:
             for k in self.consumed:
                 with contextlib.suppress(FileNotFoundError):
                     (self.dir / hs.shard_name(k)).unlink()
-            if self.config.consume and len(self.consumed) == len(self.shards):
-                self.close_heldout()  # a kill came between the last checkpoint and this
+            if self.config.consume and not self.open and len(self.consumed) == len(self.shards):
+                self.close_heldout()  # a kill came between the last checkpoint and this (open: end_pass)
 
     def announce(self) -> str:
-        committed = len(set(hs.committed_shards(self.dir)) & set(self.shards))
-        return (f"{STAGE}: following {self.dir}: {committed} of {len(self.shards)} shards committed, one pass of "
-                f"{self.plan.total_steps} steps in their commit order"
+        length = ("an open-ended pass (the producer plans nothing ahead; it ends with its manifest)" if self.open
+                  else f"one pass of {self.plan.total_steps} steps")
+        committed = hs.committed_shards(self.dir)
+        committed = (f"{len(committed)} shards committed so far" if self.open
+                     else f"{len(set(committed) & set(self.shards))} of {len(self.shards)} shards committed")
+        return (f"{STAGE}: following {self.dir}: {committed}, {length} in their commit order"
                 + ("; each shard is deleted once trained and checkpointed" if self.config.consume else "")
                 + (f"; replaying {len(self.replay)} recorded arrivals" if self.replay else ""))

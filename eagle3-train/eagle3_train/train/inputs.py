@@ -106,7 +106,7 @@ def input_identity(inp: Inputs, vocab_mapping: str) -> dict:
     if isinstance(inp.store, GrowingStore):  # followed: its manifest comes last
         from eagle3_train.train.follow import follow_identity
 
-        store = {"follow_identity": follow_identity(inp.store.directory)}
+        store = follow_identity(inp.store)
     else:
         store = manifest(inp.store.directory)
     return {"hidden_states": store, "vocab_mapping": manifest(vocab_mapping),

@@ -103,10 +103,19 @@ class Trainer:
         self.plan = first if self.length["epochs"] == 1 else make_plan(inp.store, config, per_step,
                                                                        epochs=self.length["epochs"])
         self.loader.plan = self.plan
-        self.total_steps = min(self.length["total_steps"], self.plan.total_steps)
-        warmup = config.warmup_steps if config.warmup_steps is not None else int(config.warmup_ratio * self.total_steps)
-        rule = functools.partial(lr_lambda, warmup=warmup, total=self.total_steps, schedule=config.schedule,
-                                 min_ratio=config.min_lr_ratio)
+        self.total_steps = min(self.length["total_steps"] or self.plan.total_steps, self.plan.total_steps)
+        self.open = None  # open-ended --follow: the lr rule whose horizon the first --save-every checkpoint fixes
+        if self.follow is not None and self.follow.open:
+            from eagle3_train.train.follow_open import OpenSchedule, default_warmup
+
+            rule = self.open = OpenSchedule(functools.partial(lr_lambda, schedule=config.schedule,
+                                                              min_ratio=config.min_lr_ratio),
+                                            default_warmup(config, inp.store.expected_samples, per_step))
+        else:
+            warmup = (config.warmup_steps if config.warmup_steps is not None
+                      else int(config.warmup_ratio * self.total_steps))
+            rule = functools.partial(lr_lambda, warmup=warmup, total=self.total_steps, schedule=config.schedule,
+                                     min_ratio=config.min_lr_ratio)
         # One schedule per optimizer: each group's lr follows the same curve from its own base.
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, rule) for o in self.optimizers]
         self.checkpointer = Checkpointer(out, d, interval=config.save_every, keep_last=config.keep_last)
@@ -145,6 +154,10 @@ class Trainer:
                    "optimizer": config.optimizer, **self.lr, "schedule": config.schedule,
                    "ttt_steps": config.ttt_steps, "norm_before_fc": config.norm_before_fc, "loss": config.loss,
                    "window_tokens": config.window_tokens, "window_context": config.context_tokens}
+        if self.follow is not None and self.follow.open:  # the steps are known only at the producer's end
+            length |= {"total_steps": config.max_steps, "steps_per_epoch": None, "horizon": None,
+                       "why": "open-ended --follow: one pass, as long as the producer's shards make it"
+                              + (f"; --max-steps {config.max_steps}" if config.max_steps else "")}
         if pace is not None:
             length["seconds_per_step"] = pace
         if self.d.main:
@@ -170,7 +183,11 @@ class Trainer:
         # Resume from the last complete checkpoint: weights, optimizer, scheduler, RNG, the
         # metric sums of the interval it was in, and the data position (= the step).
         meter = Meter(config.draft_steps, self.resume())
-        progress = Progress(STAGE, total_steps, initial=self.step, unit="step", every_s=config.progress_every,
+        shown = total_steps
+        if self.open is not None:  # shown against the most steps the expected samples can make, then H
+            expected = self.inp.store.expected_samples
+            shown = self.open.horizon or max(1, int(expected * (1 - config.val_fraction) / self.plan.per_step))
+        progress = Progress(STAGE, shown, initial=self.step, unit="step", every_s=config.progress_every,
                             log_path=self.out / "progress.log" if d.main else None, disable=not d.main or config.quiet)
         self.recorder = recorder = Recorder(self.out, d.main, progress)
         if self.checkpointer.resumed_from:
@@ -191,6 +208,9 @@ class Trainer:
                     else:  # waiting for a shard, it may checkpoint to delete the trained ones
                         micro_batches = self.follow.batches_for(upcoming, self.step,
                                                                 lambda: self.validate_and_save(meter, validate=False))
+                    if micro_batches is None:  # open-ended: the producer is done, fewer than a step is left
+                        total_steps = self.end_pass(meter)
+                        break
                     if self.step + 1 < total_steps:
                         upcoming = prefetch.submit(self.loader.step, self.step + 1)
                     loss, metrics, grad_norm, lr = self.train_step(micro_batches)
@@ -202,9 +222,13 @@ class Trainer:
                         recorder.train(self.step, self.plan.locate(self.step - 1)[0], lr, meter.reduce(d))
                         meter = Meter(config.draft_steps)
                     if self.checkpointer.should_save(self.step, last_step=total_steps):
+                        if self.open is not None and self.open.horizon is None and self.step % config.save_every == 0:
+                            self.fix_horizon(progress)
                         self.validate_and_save(meter)
                     if on_step is not None:
                         on_step(self.step)
+                if self.open is not None and not self.plan.cut:  # stopped by --max-steps before the pass's end
+                    self.follow.summarize()
                 if self.validated_step != self.step:
                     # resumed at the last step from a checkpoint that did not validate (--follow saves
                     # one before the last validation waits for every shard): validate before export
@@ -216,6 +240,35 @@ class Trainer:
                 self.follow.stop()  # a loader waiting for a shard gives up
             prefetch.shutdown(wait=True, cancel_futures=True)
             recorder.close("finished" if self.step >= total_steps else f"stopped at step {self.step}")
+
+    def fix_horizon(self, progress: Progress) -> None:
+        """Open-ended --follow, at the first --save-every checkpoint: H from what the steps so far
+        trained (follow_open.horizon), kept by the scheduler's state (so by the checkpoint) and in
+        schedule.json."""
+        from eagle3_train.train.follow_open import horizon
+
+        h = horizon(self.follow, self.step, self.inp.store.expected_samples)
+        if self.config.max_steps:
+            h["horizon"] = min(h["horizon"], self.config.max_steps)
+        self.open.fix(h["horizon"], self.step)
+        self.length = {**self.length, "horizon": h}
+        progress.total = progress.bar.total = h["horizon"]
+        if self.d.main:
+            atomic_write_json(self.out / SCHEDULE, self.length)
+            print(f"{STAGE}: horizon {h['horizon']} steps (at step {self.step}: {h['trained_samples']} training "
+                  f"samples trained of ~{h['expected_samples'] * h['train_share']:.0f} expected); "
+                  f"{self.config.schedule} lr over it from here", flush=True)
+
+    def end_pass(self, meter: Meter) -> int:
+        """Open-ended --follow: the pass is over at this step; its last train record, its length."""
+        self.total_steps = self.follow.end_pass(self.step)
+        if meter.s["n"]:  # the steps since the last record (a resume at the end has none)
+            sched = self.schedulers[0]
+            lr = sched.base_lrs[0] * sched.lr_lambdas[0](self.step - 1)  # the last step's, resumed or not
+            self.recorder.train(self.step, self.plan.locate(self.step - 1)[0], lr, meter.reduce(self.d))
+            meter.s = Meter(self.config.draft_steps).s
+        self.length = {**self.length, "total_steps": self.total_steps}
+        return self.total_steps
 
     def unsaved(self) -> bool:
         """Whether the last checkpoint misses this step, or (--consume) trained shards to delete."""
@@ -335,6 +388,8 @@ class Trainer:
                    "world_size": self.d.world, "time": time.time()}
         if self.follow is not None:  # the arrival order a resume replays, the shards consumed
             state["follow"] = summary["follow"] = self.follow.state(self.step)
+        if self.open is not None:
+            summary["horizon"] = self.open.horizon
         path = self.checkpointer.save(self.step, self.model.objective, self.optimizers, state, summary,
                                       {self.best["step"]} if self.best["step"] else set())
         self.recorder.checkpoint(self.step, path, val)
@@ -349,6 +404,16 @@ class Trainer:
             return
         plan, model = self.plan, self.model
         cut = plan.cut
+        c = self.config
+        if self.open is not None:  # nothing is known of the data before its shards come
+            print(self.follow.announce(), flush=True)
+            print(f"{STAGE}: recipe: {self.length['why']}; {c.optimizer} lr {self.lr['lr']:g} ({self.lr['lr_why']}), "
+                  f"warm-up {self.open.warmup} steps, then {c.schedule} over a horizon "
+                  + (f"of {self.open.horizon} steps" if self.open.horizon else
+                     f"fixed at step {c.save_every} (--save-every) from ~{self.inp.store.expected_samples} expected "
+                     "samples")
+                  + (f"; resuming at step {self.step}" if self.step else ""), flush=True)
+            return
         for part in ("train", "val"):
             if cut[part]["samples"]:  # loud: these tails are never trained (or validated) on
                 print(f"warning: {cut[part]['samples']} of {len(getattr(plan, part))} {part} samples are longer "
@@ -367,11 +432,13 @@ class Trainer:
               + (f"; resuming at step {self.step}" if self.step else ""))
         if self.follow is not None:
             print(self.follow.announce(), flush=True)
-        c = self.config
         print(f"{STAGE}: recipe: {self.total_steps} steps over {self.length['epochs']} epochs "
               f"({self.length['why']}); {c.optimizer} lr {self.lr['lr']:g} ({self.lr['lr_why']}) {c.schedule}, "
               + (f"DFlash block {c.blocks}, " if c.draft_arch == "dflash" else f"TTT {c.ttt_steps}, ")
               + f"loss {c.loss}, norm_before_fc {'on' if c.norm_before_fc else 'off'}"
+              + ("" if c.draft_arch == "dflash" else
+                 f", norm_before_residual {'on' if c.norm_before_residual else 'off'}, "
+                 f"norm_output {'on' if c.norm_output else 'off'}")
               + (f"; training samples as {cut['windows']:,} windows of {c.window_tokens} positions after up to "
                  f"{c.context_tokens} of context (validation: whole samples)" if c.window_tokens else ""), flush=True)
 
