@@ -274,3 +274,26 @@ def test_a_time_budget_is_calibrated_once_and_kept_on_resume(inputs, tmp_path):
     run(stage.parse_args(inputs_argv(inputs, out, "--max-steps", "6", **flags)))  # resumed: not re-measured
     assert (out / "schedule.json").read_bytes() == first
     assert json.loads((out / "manifest.json").read_text())["counts"]["steps"] == sched["total_steps"]
+
+
+def test_step_norms_default_by_the_layer_and_the_flags_override():
+    """None = measured per layer: on for Llama/Qwen3 (k = 7 holds), off for MLA (no gain there)."""
+    from eagle3_train.train.draft import step_norms
+
+    assert step_norms("llama", None, None) == (True, True)
+    assert step_norms("qwen3", None, None) == (True, True)
+    assert step_norms("mla", None, None) == (False, False)
+    assert step_norms("llama", False, None) == (False, True)
+    assert step_norms("mla", None, True) == (False, True)
+
+
+def test_04_exports_the_step_norms_it_trained_with_and_says_so(inputs, tmp_path, capsys):
+    """No flag: the Llama draft trains and exports norm_before_residual and norm_output on (what vLLM
+    reads to run it as trained); --no-norm-output turns that one off, in the export too."""
+    for out, extra, want in ((tmp_path / "default", {}, (True, True)),
+                             (tmp_path / "off", {"no_norm_output": True}, (True, False))):
+        run(stage.parse_args(inputs_argv(inputs, out, budget="2", epochs=None, **extra)))
+        cfg = json.loads((out / "export" / "config.json").read_text())
+        assert (cfg["norm_before_residual"], cfg["norm_output"]) == want
+        said = capsys.readouterr().out
+        assert f"norm_before_residual {'on' if want[0] else 'off'}, norm_output {'on' if want[1] else 'off'}" in said

@@ -81,15 +81,16 @@ class TrainConfig(StageConfig):
     draft_v_head_dim: int | None = setting(None, help="mla: per-head value dims (default: target's)")
     aux_layer_ids: list[int] | None = setting(None, help="aux layers the draft reads, a subset of the store's "
                                                          "(default: all of them)")
-    # On by default since issue 28's benchmark: without a norm on the state fed from step to step the
-    # draft falls off past its TTT horizon (k = 7: AL 6.34 off, 7.39 / 7.40 with either, 7.24 both
-    # at fewer steps; k = 3 unchanged), so a draft trained at TTT 3 can be served at k = 7.
-    norm_before_residual: bool = setting(True, help="normalise the fused hidden state before the residual "
-                                                    "(as speculators' eagle3 CLI; vLLM reads "
-                                                    "`norm_before_residual`)")
-    norm_output: bool = setting(True, help="feed the final-normed hidden state, not the pre-norm one, to the "
-                                           "next TTT step (vLLM reads `norm_output` from the export; as "
-                                           "speculators' eagle3 CLI)")
+    # None = by the layer (train/draft.py:step_norms): on for a Llama/Qwen3 layer, where without a norm on
+    # the state fed from step to step the draft falls off past its TTT horizon (issue 28's benchmark,
+    # k = 7: AL 6.34 off, 7.39 / 7.40 with either, k = 3 unchanged); off for the MLA layer, where neither
+    # helped at k = 7 and both cost ~0.15 at k = 3 (docs/measurements.md, "The draft for the k users serve").
+    norm_before_residual: bool | None = setting(None, help="normalise the fused hidden state before the residual "
+                                                           "(vLLM reads `norm_before_residual`; default: on for a "
+                                                           "Llama/Qwen3 layer, off for the MLA layer, as measured)")
+    norm_output: bool | None = setting(None, help="feed the final-normed hidden state, not the pre-norm one, to the "
+                                                  "next TTT step (vLLM reads `norm_output` from the export; default: "
+                                                  "on for a Llama/Qwen3 layer, off for the MLA layer, as measured)")
     norm_before_fc: bool = setting(True, help="RMSNorm over the aux states before fc: over their concatenation "
                                               "for a Llama/Qwen3 layer (vLLM's Eagle3 Llama `norm_before_fc`, "
                                               "speculators' eagle3 default), one per aux layer for the MLA layer "

@@ -29,7 +29,7 @@ from eagle3_train.train.checkpoint import Checkpointer
 from eagle3_train.train.config import CKPT_DIR, EXIT_FOLLOW_TIMEOUT, EXPORT, SCHEDULE, STAGE, STOPPED, TrainConfig
 from eagle3_train.train.data import Loader, make_plan, shifted
 from eagle3_train.train.dist import Dist, setup_dist
-from eagle3_train.train.draft import lr_lambda
+from eagle3_train.train.draft import lr_lambda, step_norms
 from eagle3_train.train.follow import FollowTimeout, Starved
 from eagle3_train.train.inputs import Inputs, input_identity, open_inputs
 from eagle3_train.train.metrics import Meter, Recorder
@@ -437,8 +437,9 @@ class Trainer:
               + (f"DFlash block {c.blocks}, " if c.draft_arch == "dflash" else f"TTT {c.ttt_steps}, ")
               + f"loss {c.loss}, norm_before_fc {'on' if c.norm_before_fc else 'off'}"
               + ("" if c.draft_arch == "dflash" else
-                 f", norm_before_residual {'on' if c.norm_before_residual else 'off'}, "
-                 f"norm_output {'on' if c.norm_output else 'off'}")
+                 ", norm_before_residual {}, norm_output {}".format(
+                     *("on" if on else "off" for on in step_norms(draft_arch(c, self.inp), c.norm_before_residual,
+                                                                   c.norm_output))))
               + (f"; training samples as {cut['windows']:,} windows of {c.window_tokens} positions after up to "
                  f"{c.context_tokens} of context (validation: whole samples)" if c.window_tokens else ""), flush=True)
 

@@ -43,13 +43,14 @@ def make_draft(config: TrainConfig, inp: Inputs, weights: dict, attn: str = "sdp
 
         return make_dflash_draft(config, inp, weights, ATTN_IMPL[attn])
     dims = mla_dims(config)
+    norm_before_residual, norm_output = D.step_norms(arch, config.norm_before_residual, config.norm_output)
     return D.build_draft(inp.target, inp.target_cfg, aux_layer_ids=inp.aux_ids,
                          d2t=torch.from_numpy(inp.mapping.d2t).long(), t2d=torch.from_numpy(inp.mapping.t2d).bool(),
                          weights=weights, arch=arch, hidden_size=config.draft_hidden_size,
                          intermediate_size=config.draft_intermediate_size, num_layers=config.draft_layers,
                          num_heads=config.draft_heads, num_kv_heads=config.draft_kv_heads,
-                         norm_before_residual=config.norm_before_residual, norm_before_fc=config.norm_before_fc,
-                         norm_output=config.norm_output,
+                         norm_before_residual=norm_before_residual, norm_before_fc=config.norm_before_fc,
+                         norm_output=norm_output,
                          speculative_tokens=config.num_speculative_tokens,
                          train_embeddings=config.train_embeddings, train_lm_head=config.train_lm_head,
                          attn_impl=ATTN_IMPL[attn], seed=config.seed,
