@@ -665,3 +665,22 @@ def test_04_on_the_captured_store_reaches_the_two_pass_validation_al(capturing_s
     print(f"\n04 validation AL: captured store {al['captured']:.4f}, 02 hf store {al['two-pass']:.4f}")
     assert al["two-pass"] > 1.3  # the draft learnt something (1.52 here), so the stores could tell apart
     assert abs(al["captured"] - al["two-pass"]) <= 0.02, al
+
+
+def test_a_rerun_takes_back_the_plan_of_the_last_finish(tmp_path, tiny_reasoner_dir):
+    """A finished capture store is planned (plan.json) and complete (manifest); a rerun (failed ids
+    retried, a larger --limit) makes it a growing store again, so both go at open: a follower that
+    saw the old plan would take the store as finished and stop at its old shards."""
+    cfg = _cfg(tmp_path, tiny_reasoner_dir, shard_mb=0.001)
+    out, raw = cfg.output_dir, cfg.output_dir / "raw_responses.jsonl"
+    out.mkdir()
+    cap = cx.Capture(cfg, out)
+    cap.open(raw, ["q0"])
+    cap.add(*_answer(0))
+    cap.close()
+    cap.finalize(raw)
+    assert (out / "hidden" / hs.PLAN).exists() and (out / "hidden" / "manifest.json").exists()
+    again = cx.Capture(cfg, out)
+    again.open(raw, ["q0", "q1"])
+    assert not (out / "hidden" / hs.PLAN).exists() and not (out / "hidden" / "manifest.json").exists()
+    again.close()

@@ -346,7 +346,7 @@ def test_producer_that_dies_stops_follow_at_the_timeout(inputs, tmp_path, capsys
                      r"checkpointed at step [1-9]", capsys.readouterr().err)
     assert run_main(stage.main, flags) == 2
     err = capsys.readouterr().err
-    assert "error: no new shard" in err and "this run took no new shard and trained no step" in err
+    assert "error: no new shard" in err and "this run trained no step" in err
 
 
 def test_torchrun_ranks_checkpoint_and_stop_together_at_the_timeout(inputs, tmp_path):

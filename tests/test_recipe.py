@@ -297,3 +297,26 @@ def test_04_exports_the_step_norms_it_trained_with_and_says_so(inputs, tmp_path,
         assert (cfg["norm_before_residual"], cfg["norm_output"]) == want
         said = capsys.readouterr().out
         assert f"norm_before_residual {'on' if want[0] else 'off'}, norm_output {'on' if want[1] else 'off'}" in said
+
+
+def test_a_run_recorded_before_the_step_norm_default_resumes_where_it_is_unchanged(inputs, tmp_path):
+    """The manifest records the resolved step norms, not None: a run whose record says False (the old
+    default, written out) is resumed by the bare command where the layer's default is False too (here a
+    DFlash draft), and refused naming the setting where it is now on (the Llama layer)."""
+    out = tmp_path / "llama"
+    run(stage.parse_args(inputs_argv(inputs, out, budget="2", epochs=None)))
+    recorded = json.loads((out / "manifest.json").read_text())["config"]
+    assert (recorded["norm_before_residual"], recorded["norm_output"]) == (True, True)
+    for arch, refused in (("dflash", False), ("llama", True)):
+        old = tmp_path / f"old-{arch}"
+        flags = {"budget": "2", "epochs": None, "draft_arch": arch}
+        run(stage.parse_args(inputs_argv(inputs, old, **flags, no_norm_before_residual=True, no_norm_output=True)))
+        (old / "manifest.json").unlink()  # as if killed before its manifest: the rerun resumes or refuses
+        again = stage.parse_args(inputs_argv(inputs, old, **flags))
+        if refused:
+            with pytest.raises(PipelineError, match="norm_before_residual"):
+                run(again)
+        else:
+            run(again)
+            done = json.loads((old / "manifest.json").read_text())["config"]
+            assert (done["norm_before_residual"], done["norm_output"]) == (False, False)

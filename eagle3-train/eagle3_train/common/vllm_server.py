@@ -177,13 +177,17 @@ class VllmServer:
                                      start_new_session=True, preexec_fn=die_with_parent())
         log.close()
         deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise PipelineError(f"vLLM exited with code {self.proc.returncode} during startup; "
-                                    f"last log line: {self.last_log_line()!r} (log: {self.log_path})")
-            if self.ready():
-                return self
-            time.sleep(1.0)
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise PipelineError(f"vLLM exited with code {self.proc.returncode} during startup; "
+                                        f"last log line: {self.last_log_line()!r} (log: {self.log_path})")
+                if self.ready():
+                    return self
+                time.sleep(1.0)
+        except BaseException:  # Ctrl-C / SIGTERM while it loads: a half-loaded 1T server must not keep the GPUs
+            self.stop()
+            raise
         self.stop()
         raise PipelineError(f"vLLM did not become ready in {self.startup_timeout:.0f}s (raise --startup-timeout if it "
                             f"was still loading); last log line: {self.last_log_line()!r} (log: {self.log_path})")

@@ -312,8 +312,6 @@ def _run_locked(cfg, out: Path, rank: int, world: int, backend_factory, *, overw
     if pending and not (out / hs.HEADER).exists():
         atomic_write_json(out / hs.HEADER, {"stage": hs.STAGE, "complete": False, **header})
     runner = None  # vLLM's model runner, when this run launched the server that extracted
-    if pending and cfg.stop_when_full and hs.store_bytes(out) > bound:
-        return stopped_full(out, bound, plan)  # before a server is launched for nothing
     full = False
     if pending:
         if world == 1:
@@ -322,6 +320,9 @@ def _run_locked(cfg, out: Path, rank: int, world: int, backend_factory, *, overw
             for s in pending:
                 with contextlib.suppress(FileNotFoundError):
                     (out / f"{hs.TMP_PREFIX}{hs.shard_name(s['k'])}").unlink()
+        # after the clean-up: a killed run's torn temp shard is no part of the store
+        if cfg.stop_when_full and hs.store_bytes(out) > bound:
+            return stopped_full(out, bound, plan)  # before a server is launched for nothing
         factory = backend_factory or make_backend
         backend = factory(cfg, num_layers=N, aux_ids=aux_ids, max_len=max(inp.lengths.values()))
         runner = getattr(backend, "model_runner", None)

@@ -303,20 +303,25 @@ class VllmBackend:
             print(f"start the extraction server (on the GPU box) with:\n\n  {cmd}\n")
             raise PipelineError("the vllm backend needs a server: start it with the command printed above, "
                                 "then rerun with --server-url http://127.0.0.1:8000/v1 (or pass --launch-server)")
-        if self.head is not None:  # the server is up now: each GPU's free memory is what vLLM left
-            need = head_bytes(cfg)
-            device = head_device(args.device, need)
-            why = "" if device != "cpu" or args.device != "auto" else (
-                f" (no GPU has {(need + HEAD_WORKSPACE) / 1e9:.1f} GB free beside vLLM; lower its "
-                "--gpu-memory-utilization in --vllm-args, or pass --device)")
-            print(f"02: the top-k head (final norm + lm_head) runs on {device}{why}", file=sys.stderr)
-            self.head.to(device)
-        import openai
+        try:
+            if self.head is not None:  # the server is up now: each GPU's free memory is what vLLM left
+                need = head_bytes(cfg)
+                device = head_device(args.device, need)
+                why = "" if device != "cpu" or args.device != "auto" else (
+                    f" (no GPU has {(need + HEAD_WORKSPACE) / 1e9:.1f} GB free beside vLLM; lower its "
+                    "--gpu-memory-utilization in --vllm-args, or pass --device)")
+                print(f"02: the top-k head (final norm + lm_head) runs on {device}{why}", file=sys.stderr)
+                self.head.to(device)
+            import openai
 
-        self.model_name = args.served_model_name or args.model
-        self._start_loop()
-        self.client = openai.AsyncOpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
-                                         timeout=args.request_timeout, max_retries=3)
+            self.model_name = args.served_model_name or args.model
+            self._start_loop()
+            self.client = openai.AsyncOpenAI(base_url=url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+                                             timeout=args.request_timeout, max_retries=3)
+        except BaseException:  # nothing would close a backend that never finished building: stop its server
+            if self.server is not None:
+                self.server.stop()
+            raise
 
     # Requests run on an event loop in a thread of their own, so that the driver can hand over the
     # next shard's samples (prefetch) while it still collects this one's: --concurrency requests stay

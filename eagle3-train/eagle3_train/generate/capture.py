@@ -288,6 +288,9 @@ class Capture:
         entries = list(read_jsonl(self.dir / hs.INDEX))
         self._next_k = 1 + max((e["k"] for e in entries), default=-1)
         (self.dir / MANIFEST).unlink(missing_ok=True)  # complete again only when finalize() says so
+        # and planned again only then: a follower that saw the last finish's plan would take this growing
+        # store as finished (the rerun after failed ids, or a larger --limit)
+        (self.dir / hs.PLAN).unlink(missing_ok=True)
         # what the manifest will say of the format, before the first shard (02 does the same): a follower checks
         # it; and the samples to expect (this run's ids and those answered before, less the answers without
         # states), from which 04 --follow estimates its steps (it sees no plan.json until the end)

@@ -32,8 +32,9 @@ from eagle3_train.train.draft_core import rows_from_target
 def step_norms(arch: str, norm_before_residual: bool | None, norm_output: bool | None) -> tuple[bool, bool]:
     """04's --norm-before-residual / --norm-output, None resolved by the layer: on for Llama/Qwen3
     (they keep the state fed between steps in range past the TTT horizon: k = 7 AL 6.34 -> 7.39),
-    off for MLA (no gain at k = 7, -0.15 at k = 3); docs/measurements.md, issue 28."""
-    default = arch != "mla"
+    off for MLA (no gain at k = 7, -0.15 at k = 3), and for a DFlash block draft, which has no such
+    steps; docs/measurements.md, issue 28."""
+    default = arch not in ("mla", "dflash")
     return (default if norm_before_residual is None else norm_before_residual,
             default if norm_output is None else norm_output)
 

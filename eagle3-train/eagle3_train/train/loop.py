@@ -50,7 +50,11 @@ def run(config: TrainConfig, *, on_step: Callable[[int], None] | None = None) ->
         torch.set_num_threads(config.threads)
     out = Path(config.output_dir)
     inp = open_inputs(config, d.dtype)
-    draft_arch(config, inp)  # a draft the target cannot have: refused before anything is written
+    arch = draft_arch(config, inp)  # a draft the target cannot have: refused before anything is written
+    # The step norms' None (by the layer) recorded as what it resolves to: the manifest says what ran,
+    # and a run recorded before that default existed resumes wherever its value is unchanged.
+    config.norm_before_residual, config.norm_output = step_norms(arch, config.norm_before_residual,
+                                                                 config.norm_output)
     identity = input_identity(inp, config.vocab_mapping)
     with DirLock(out, STAGE) if d.main else contextlib.nullcontext():
         if d.main:
@@ -278,13 +282,13 @@ class Trainer:
 
     def stop_starved(self, meter: Meter, why: str, started: int) -> None:
         """--follow-timeout: checkpoint what this run trained (every rank together), so a rerun
-        neither retrains it nor keeps the shards it trained; FollowTimeout (exit 75) if it took or
-        trained anything new, else an error (the producer never came, or the bound leaves no room:
-        a driver that reran on 75 would loop for ever)."""
-        follow = self.follow
-        if self.step == started and len(follow.arrivals) <= len(follow.replay):
-            raise PipelineError(f"{why}; this run took no new shard and trained no step (is --max-store-gb "
-                                "below the shards one step needs?)")
+        neither retrains it nor keeps the shards it trained; FollowTimeout (exit 75) if it trained a
+        step, else an error: the producer never came, or the bound holds fewer shards than one step
+        needs (shards taken without a step are in no checkpoint, so a driver that reran on 75 would
+        take them again, and loop for ever)."""
+        if self.step == started:
+            raise PipelineError(f"{why}; this run trained no step (is --max-store-gb below the shards one "
+                                "step needs, or the producer stopped?)")
         if self.unsaved():
             self.validate_and_save(meter, validate=False)
         line = f"{why}; checkpointed at step {self.step} of {self.total_steps}: rerun to go on"
