@@ -109,10 +109,13 @@ def test_04_trains_the_same_weights_in_groups(inputs, tmp_path, capsys):
             assert "attention sdpa, loss" in text
         else:
             assert f"attention sdpa over groups of samples of at most {g or 512} tokens" in text
+    # AdamW divides each entry's step by its own gradient scale, so where a gradient is tiny its last-bit
+    # difference moves the weight more: with the step norms on (04's default since issue 28) one entry of
+    # 49,152 in fc ended 1.07e-5 apart after three steps (the gradients agree within 1e-6, above).
     for g in ("150", None):
         assert outs[g].keys() == outs["0"].keys()
         for name, w in outs["0"].items():
-            torch.testing.assert_close(outs[g][name], w, rtol=1e-4, atol=1e-5,
+            torch.testing.assert_close(outs[g][name], w, rtol=1e-4, atol=3e-5,
                                        msg=lambda m, name=name: f"{name}: {m}")
 
 
