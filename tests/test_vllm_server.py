@@ -59,6 +59,17 @@ def test_every_stage_that_launches_vllm_takes_startup_timeout(tmp_path):
                 parse([*base, "--startup-timeout", bad])
 
 
+def assert_gone(pid: int, seconds: float = 10) -> None:
+    """The server process `pid` has exited (VllmServer.stop waits for it; this allows a slow reap)."""
+    for _ in range(int(seconds * 10)):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the server {pid} is still running")
+
+
 def test_a_server_that_never_answers_is_stopped_with_its_last_log_line(tmp_path, monkeypatch):
     fake = tmp_path / "python"
     pid_file = tmp_path / "pid"
@@ -72,15 +83,7 @@ def test_a_server_that_never_answers_is_stopped_with_its_last_log_line(tmp_path,
     msg = str(e.value)
     assert "did not become ready in 3s" in msg and "--startup-timeout" in msg
     assert "37% Completed" in msg and "\n" not in msg
-    pid = int(pid_file.read_text())
-    for _ in range(50):  # stopped, not left holding the GPUs
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"the server {pid} is still running")
+    assert_gone(int(pid_file.read_text()))  # stopped, not left holding the GPUs
 
 
 def test_a_server_interrupted_while_it_loads_is_stopped(tmp_path, monkeypatch):
@@ -101,15 +104,7 @@ def test_a_server_interrupted_while_it_loads_is_stopped(tmp_path, monkeypatch):
     monkeypatch.setattr(srv, "ready", interrupted)
     with pytest.raises(KeyboardInterrupt):
         srv.start()
-    pid = int(pid_file.read_text())
-    for _ in range(100):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"the server {pid} is still running")
+    assert_gone(int(pid_file.read_text()))
 
 
 def test_on_a_gpu_machine_the_stages_launch_the_gpu_vllm_not_the_cpu_build(tmp_path, monkeypatch):
