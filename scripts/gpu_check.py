@@ -47,6 +47,11 @@ Asked for by name:
            on): AL from vLLM's counters > 1.2, and eagle3 makes the target's own tokens (within 2% of
            the none arm's count). What CPU cannot show: the flex kernel on MLA's q/k width != v
            width, bf16 training, vLLM's GPU MLA backends for the draft's layer.
+  dflash   04's DFlash block draft (--draft-arch dflash: block 8, K = 7) on the trained Kimi twin:
+           trained twice as `mla` is (fused vs eager KL, the loss trajectories must agree), then 05
+           --k-sweep 3,7 in GPU vLLM (method dflash beside the twin's MLA): AL > 1.2 and the target's
+           own tokens, as `mla`. What CPU cannot show: bf16 CUDA training of the block draft, vLLM's
+           GPU attention for its non-causal block beside an MLA target.
   mla-flex the MLA draft at Kimi-K2.5's head sizes (q/k 192, v 128; --draft-qk-nope-head-dim 128
            --draft-v-head-dim 128) on the Kimi twin, trained twice on the same batches with compiled
            flex attention (issue 25): torch's default blocks for this GPU, and the small blocks a GPU
@@ -106,6 +111,8 @@ STEPS = {
                 "02 --backend vllm vs hf"),
     "mla": (300, "the MLA draft on the Kimi twin: flex + fused vs sdpa + eager loss trajectories, "
                  "05 in GPU vLLM (AL, the target's own tokens)"),
+    "dflash": (360, "04's DFlash block draft (block 8) on the Kimi twin: fused vs eager loss trajectories "
+                    "(bf16), 05 --k-sweep 3,7 in GPU vLLM (method dflash: AL, the target's own tokens)"),
     "mla-flex": (200, "the MLA draft at q/k 192 / v 128: compiled flex with torch's default blocks vs the small "
                       "blocks of a ~100 KB shared-memory GPU, loss trajectories"),
     "capture": (240, "01b --capture-hidden-states on the Kimi twin in GPU vLLM (bf16) vs `02 --backend hf` "
@@ -530,23 +537,38 @@ def twin_inputs(args, work: Path, target: Path) -> tuple[Path, Path]:
 
 
 def step_mla(args, work: Path) -> dict:
+    return twin_draft(args, work / "mla", ["--draft-arch", "mla"])
+
+
+def step_dflash(args, work: Path) -> dict:
+    """04's DFlash block draft (block 8, its default) on the Kimi twin, trained in bf16 on CUDA twice
+    (fused vs eager KL), then served by GPU vLLM as `method: dflash` at K = 3 and 7."""
+    return twin_draft(args, work / "dflash", ["--draft-arch", "dflash"], k_sweep="3,7")
+
+
+def twin_draft(args, work: Path, extra: list[str], k_sweep: str | None = None) -> dict:
     from eagle3_testkit.fixtures import kimi_twin_dir
     from eagle3_testkit.tiny import synthetic_examples
 
-    target, work = kimi_twin_dir(), work / "mla"
+    target = kimi_twin_dir()
     hs, vocab = twin_inputs(args, work, target)
     res = {"target": str(target)} | fast_against_eager(
-        work, hs, vocab, target, ["--draft-arch", "mla"], steps=args.mla_steps, ttt_steps=args.mla_ttt_steps,
+        work, hs, vocab, target, extra, steps=args.mla_steps, ttt_steps=args.mla_ttt_steps,
         max_tokens=args.max_tokens)
     res["train_ok"] = res.pop("agree")
+    res["method"] = json.loads((work / "fast" / "export" / "config.json").read_text()).get(
+        "speculators_model_type", "eagle3")
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [
         {"role": "user", "content": ex["question"]}, {"role": "assistant", "content": ex["answer"]}]}) + "\n"
         for i, ex in enumerate(synthetic_examples(32, 99))))
     evaluate_main(["--draft", str(work / "fast" / "export"), "--target", str(target), "--store", str(hs),
                    "--prompts", str(prompts), "--output-dir", str(work / "05"), "--arms", "eagle3,none",
-                   "--concurrency", "8", "--max-tokens", "256", "--max-model-len", "2048"])
+                   "--concurrency", "8", "--max-tokens", "256", "--max-model-len", "2048",
+                   *(["--k-sweep", k_sweep] if k_sweep else [])])
     rep = json.loads((work / "05" / "report.json").read_text())
+    if k_sweep:
+        res["k_sweep"] = rep.get("k_sweep")
     arms = rep["online"]["arms"]
     spec = arms["eagle3"]["spec"]
     made = {a: sum(lv["completion_tokens"] for lv in arm["levels"]) for a, arm in arms.items()}
@@ -681,7 +703,7 @@ def step_04_width(args, work: Path) -> dict:
             "ok": len(done) == len(rows) and default is not None and default >= best - 0.15}
 
 
-RUN = {"02-twin": step_02_twin, "04": step_04, "05": step_05, "02": step_02, "mla": step_mla,
+RUN = {"02-twin": step_02_twin, "04": step_04, "05": step_05, "02": step_02, "mla": step_mla, "dflash": step_dflash,
        "mla-flex": step_mla_flex, "capture": step_capture, "04-width": step_04_width}
 
 

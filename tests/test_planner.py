@@ -97,22 +97,56 @@ def mla_inputs(tmp_path_factory, deepseek_target_dir):
 def test_04_memory_of_the_mla_draft_matches_the_plan(tmp_path, mla_inputs, extra):
     """The MLA layer keeps more per TTT step than the Llama one (each step expands the whole latent
     cache again through kv_b, and dense attention keeps scores over it): the plan follows."""
-    rows, flags = memory.compare(stage_cli("04_train").parse_args(inputs_argv(mla_inputs, tmp_path / "r", *extra)))
+    rows, flags = memory.compare(stage_cli("04_train").parse_args(
+        inputs_argv(mla_inputs, tmp_path / "r", "--draft-arch", "mla", *extra)))
     print({k: round(r["ratio"], 3) for k, r in rows.items()})
-    assert flags.draft_arch == "auto" and planner.is_mla(shape_of(mla_inputs["target"]), flags)
+    assert flags.draft_arch == "mla" and planner.is_mla(shape_of(mla_inputs["target"]), flags)
     for part in ("weights", "grads_and_adam", "activations", "total"):
         assert within(rows[part]["planned"], rows[part]["measured"]), (part, rows[part], flags)
 
 
-def test_mla_draft_parameters_are_counted_exactly(tmp_path, mla_inputs):
+@pytest.mark.parametrize("extra", [(), ("--block-size", "4"),
+                                   ("--max-tokens-per-batch", "512", "--block-size", "8", "--block-anchors", "64")])
+def test_04_memory_of_the_dflash_draft_matches_the_plan(tmp_path, mla_inputs, extra):
+    """The DFlash block draft on an MLA target (the plan builds it as 04 does); what it keeps grows
+    with the blocks' queries (anchors x block) and their dense scores over each sample's context,
+    not with TTT steps: the plan follows at block 8 (the default) and 4 and fewer anchors."""
+    rows, flags = memory.compare(stage_cli("04_train").parse_args(
+        inputs_argv(mla_inputs, tmp_path / "r", "--draft-arch", "dflash", *extra)))
+    print({k: round(r["ratio"], 3) for k, r in rows.items() if r["ratio"]})
+    assert flags.draft_arch == "dflash" and planner.kind(shape_of(mla_inputs["target"]), flags) == "dflash"
+    for part in ("weights", "grads_and_adam", "activations", "total"):
+        assert within(rows[part]["planned"], rows[part]["measured"]), (part, rows[part], flags)
+
+
+def exported_numel(export: Path) -> int:
     from safetensors import safe_open
 
+    with safe_open(str(export / "model.safetensors"), "pt") as f:
+        return sum(_numel(f.get_slice(k).get_shape()) for k in f.keys() if k not in ("d2t", "t2d"))
+
+
+def test_mla_draft_parameters_are_counted_exactly(tmp_path, mla_inputs):
     out = tmp_path / "run"
-    run(stage_cli("04_train").parse_args(inputs_argv(mla_inputs, out, "--max-steps", "1")))
-    with safe_open(str(out / "export" / "model.safetensors"), "pt") as f:
-        exported = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys() if k not in ("d2t", "t2d"))
-    flags = planner.Flags(samples=16, tokens_per_sample=100, draft_vocab_size=96, n_aux=3)
-    assert sum(planner.draft_params(shape_of(mla_inputs["target"]), flags).values()) == exported
+    run(stage_cli("04_train").parse_args(inputs_argv(mla_inputs, out, "--max-steps", "1", "--draft-arch", "mla")))
+    flags = planner.Flags(samples=16, tokens_per_sample=100, draft_vocab_size=96, n_aux=3, draft_arch="mla")
+    assert sum(planner.draft_params(shape_of(mla_inputs["target"]), flags).values()) == exported_numel(out / "export")
+
+
+def test_dflash_draft_parameters_and_export_are_counted_exactly(tmp_path, mla_inputs):
+    """The DFlash export holds every draft weight but the frozen embeddings (vLLM shares the
+    target's), and the mask embedding beside them: both counted as 00_plan counts them."""
+    import torch
+
+    out = tmp_path / "run"
+    run(stage_cli("04_train").parse_args(inputs_argv(mla_inputs, out, "--max-steps", "1", "--draft-arch", "dflash")))
+    assert json.loads((out / "export" / "config.json").read_text())["speculators_model_type"] == "dflash"
+    shape, flags = shape_of(mla_inputs["target"]), planner.Flags(samples=16, tokens_per_sample=100,
+                                                                 draft_vocab_size=96, n_aux=3, draft_arch="dflash")
+    p = planner.draft_params(shape, flags)
+    mask = torch.load(out / "export" / "mask_embedding.pt", weights_only=True)["embedding"].numel()
+    assert sum(p.values()) - p["embed"] == exported_numel(out / "export") + mask
+    assert mask == shape.hidden
 
 
 def _numel(shape) -> int:
@@ -123,16 +157,28 @@ def _numel(shape) -> int:
 
 
 def test_the_plan_builds_the_draft_04_builds_for_kimi(tmp_path):
-    """auto is the MLA layer for Kimi-K2.5 (smaller than a Llama layer at its width); mla on a
-    target without MLA is refused in one line, as 04 refuses it."""
+    """auto is the MLA layer for Kimi-K2.5, dflash the block draft (block 8, or --num-speculative-tokens
+    + 1 if larger, as 04);
+    the MLA layer is smaller than a Llama layer at its width; mla on a target without MLA is refused
+    in one line, as 04 refuses it."""
     cfg = json.loads((Path(__file__).parents[1] / "docs" / "kimi-k2.5-text-config.json").read_text())
     kimi = planner.Shape.from_config(cfg)
     flags = dict(samples=100000, tokens_per_sample=10000)
-    auto, llama = planner.Flags(**flags), planner.Flags(**flags, draft_arch="llama")
-    assert kimi.mla and planner.is_mla(kimi, auto) and not planner.is_mla(kimi, llama)
-    assert 500e6 < planner.layer_params(kimi, auto) < planner.layer_params(kimi, llama)
-    p = planner.plan(kimi, auto)["stages"]["04"]
+    auto, mla, llama = (planner.Flags(**flags), planner.Flags(**flags, draft_arch="mla"),
+                        planner.Flags(**flags, draft_arch="llama"))
+    assert kimi.mla and planner.kind(kimi, auto) == "mla" and planner.is_mla(kimi, mla)
+    assert not planner.is_mla(kimi, llama)
+    assert 500e6 < planner.layer_params(kimi, mla) < planner.layer_params(kimi, llama)
+    p = planner.plan(kimi, mla)["stages"]["04"]
     assert p["draft"] == "mla" and p["epochs"] == 1 and p["steps"] == 30518  # 1e9 tokens / (4096 x 8 GPUs)
+    for asked, block in (({}, 8), ({"num_speculative_tokens": 3}, 8), ({"num_speculative_tokens": 11}, 12),
+                         ({"block_size": 4}, 4)):
+        d = planner.plan(kimi, planner.Flags(**flags, draft_arch="dflash", **asked))["stages"]["04"]
+        assert d["draft"] == "dflash" and d["block_size"] == block and d["fits"], d
+    # the block's queries (512 anchors x 8) and their dense scores make block 8 the larger
+    d4, d8 = (planner.train_memory(kimi, planner.Flags(**flags, draft_arch="dflash", block_size=b))["activations"]
+              for b in (4, 8))
+    assert d8 > 1.5 * d4
     small = planner.plan(kimi, planner.Flags(samples=2000, tokens_per_sample=240, gpus=1))["stages"]["04"]
     assert small["epochs"] == 9 and small["steps"] >= 1000  # 04's rule: the fewest epochs to 1,000 steps
     from eagle3_train.common.errors import PipelineError
@@ -163,8 +209,14 @@ def test_plan_script_reads_a_wrapper_config_and_prints_json(tmp_path, capsys):
     p = json.loads(capsys.readouterr().out)
     assert p["tokens"] == 10000 and p["stages"]["02"]["rate_source"] == "given"
     assert p["stages"]["02"]["hours"] == round(10000 / 1000 / 3600, 2)
-    # the fp32 export at Kimi size: every draft weight (embed 163840 x 7168 among them) in 4 bytes
-    assert 8e9 < p["stages"]["04"]["export_fp32"] < 10e9
+    assert p["stages"]["04"]["draft"] == "mla" and 8e9 < p["stages"]["04"]["export_fp32"] < 10e9
+    # DFlash's fp32 export at Kimi size: every draft weight in 4 bytes but the embeddings (163840 x
+    # 7168, shared with the target by vLLM); fc 3 x 7168^2 + the layer + lm_head 32000 x 7168
+    assert stage_cli("00_plan").main(["--target", str(tmp_path / "config.json"), "--samples", "10",
+                                        "--tokens-per-sample", "1000", "--json", "--rate-02", "1000",
+                                        "--draft-arch", "dflash"]) == 0
+    d = json.loads(capsys.readouterr().out)["stages"]["04"]
+    assert d["draft"] == "dflash" and d["block_size"] == 8 and 3.5e9 < d["export_fp32"] < 5e9
 
 
 @pytest.mark.parametrize("flags,needle", [

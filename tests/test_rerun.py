@@ -104,6 +104,19 @@ def test_another_setting_is_refused_in_one_line_naming_both_values(tmp_path, cha
                             "same settings to resume, or pass --overwrite to move the old output aside")
 
 
+def test_an_alias_resumes_only_the_recorded_value_it_names(tmp_path):
+    """04's draft_arch recorded as `auto` (before auto was resolved) resumes as what auto meant then:
+    the alias (recorded, now) matches that pair only; any other new value is still refused."""
+    rerun.prepare(toy(tmp_path), {"data_sha256": "aa"})
+    cfg = toy(tmp_path, size=9)
+    cfg.record_aliases = {"size": (8, 9)}
+    assert rerun.prepare(cfg, {"data_sha256": "aa"}) is None
+    other = toy(tmp_path, size=10)
+    other.record_aliases = {"size": (8, 9)}
+    with pytest.raises(PipelineError, match="size=8; this run has size=10"):
+        rerun.prepare(other, {"data_sha256": "aa"})
+
+
 def test_other_inputs_are_refused_and_another_stage_too(tmp_path):
     rerun.prepare(toy(tmp_path), {"data_sha256": "aa"})
     with pytest.raises(PipelineError, match=r"data_sha256='aa'; this run has data_sha256='bb'"):

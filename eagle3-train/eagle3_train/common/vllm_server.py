@@ -93,6 +93,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def vllm_cpu_has_amx() -> bool:
+    """Whether the CPU vLLM runs on has AMX tiles (its AMX_MLA backend needs them)."""
+    try:
+        out = subprocess.run([vllm_python(), "-c", "import torch; print(torch.cpu._is_amx_tile_supported())"],
+                             capture_output=True, text=True, timeout=120).stdout.strip()
+        return out == "True"
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def on_cpu() -> bool:
     """Whether the vLLM we would launch is the CPU build (decides --enforce-eager, KV space)."""
     try:
@@ -130,13 +140,13 @@ def server_command(model: str, port: int, *, served_name: str | None = None,
 
 def _cpu_args_for(model: str, given: list[str]) -> list[str]:
     """What vllm-cpu needs for this checkpoint (target_layout.vllm_cpu_args), less what was given."""
-    from eagle3_train.common.target_layout import vllm_cpu_args
+    from eagle3_train.common.target_layout import given_flags, vllm_cpu_args
 
-    out, args = [], vllm_cpu_args(model)
+    out, args, have = [], vllm_cpu_args(model), given_flags(given)
     while args:
         flag = args.pop(0)
         value = [args.pop(0)] if args and not args[0].startswith("--") else []
-        if flag not in given:
+        if flag not in have:
             out += [flag, *value]
     return out
 

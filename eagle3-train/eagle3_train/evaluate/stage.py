@@ -83,7 +83,8 @@ class Evaluation:
         from eagle3_train.common.manifest import describe_target, describe_tokenizer
         from eagle3_train.common.prompts import load_prompts
         from eagle3_train.common.target import load_target_config
-        from eagle3_train.common.target_layout import check_vocab
+        from eagle3_train.common.target_layout import check_cpu_block_draft, check_vocab
+        from eagle3_train.common.vllm_server import on_cpu, vllm_cpu_has_amx
         from eagle3_train.common.tokenization import load_tokenizer
 
         self.config = config
@@ -140,6 +141,9 @@ class Evaluation:
                 "server_args": config.server_arg}  # not the URLs: a restarted server may move
             if self.sweep:  # only then: an evaluation made before --k-sweep existed still resumes
                 self.identity["online"]["k_sweep"] = self.sweep
+            launched = "eagle3" in config.arm_list and ("eagle3" not in config.urls or self.sweep)
+            if launched and self.method == "dflash" and on_cpu():
+                check_cpu_block_draft(target, self.method, config.server_arg, vllm_cpu_has_amx)
 
     def offline(self, out: Path, k: int | None = None) -> dict:
         """The offline part at K (offline.json), or at another K of the sweep (offline-k<k>.json),

@@ -28,7 +28,12 @@ class PlanConfig(Settings):
     ttt_steps: int = setting(3, help="04's TTT steps")
     epochs: int | None = setting(None, help="04's epochs (default: 04's rule, the fewest that reach 1,000 steps, "
                                             "at most 10)")
-    draft_arch: str = setting("auto", help="04's --draft-arch (auto: the MLA layer for an MLA target)")
+    draft_arch: str = setting("auto", help="04's --draft-arch (auto: the MLA layer for an MLA target, else the "
+                                           "Llama layer; dflash: the DFlash block draft)")
+    num_speculative_tokens: int | None = setting(None, help="04's --num-speculative-tokens (default: 04's, 3; "
+                                                            "a DFlash draft's block - 1)")
+    block_size: int | None = setting(None, help="04's --block-size (default: 04's, 8, or "
+                                                "--num-speculative-tokens + 1 if larger)")
     attn: str = setting("auto", help="04's attention (auto: flex, as on CUDA)")
     train_embeddings: bool = setting(False, help="04 trains embed_tokens (default: frozen)")
     train_lm_head: bool = setting(False, help="04 trains lm_head (default: frozen)")
@@ -57,6 +62,10 @@ class PlanConfig(Settings):
             value = getattr(self, name)
             require(value > 0, f"--{name.replace('_', '-')} must be positive, not {value}")
         require(self.epochs is None or self.epochs >= 1, f"--epochs must be at least 1, not {self.epochs}")
+        require(self.num_speculative_tokens is None or self.num_speculative_tokens > 0,
+                f"--num-speculative-tokens must be positive, not {self.num_speculative_tokens}")
+        require(self.block_size is None or self.block_size >= 2,
+                f"--block-size must be at least 2 (the anchor and a mask token), not {self.block_size}")
         require(0 < self.gpu_memory_utilization <= 1,
                 f"--gpu-memory-utilization must lie in (0, 1], not {self.gpu_memory_utilization}")
         require(self.weights_gb is None or self.weights_gb > 0, f"--weights-gb must be positive, not {self.weights_gb}")

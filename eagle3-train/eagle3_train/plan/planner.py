@@ -15,6 +15,8 @@ from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.hidden_store import bytes_per_token
 from eagle3_train.common.server_metrics import fitting_concurrency
 from eagle3_train.common.target import MLA_DIMS, has_mla, looks_like_hub_id
+from eagle3_train.plan.draft import (  # noqa: F401 -- the planner's 04 figures, named here as before
+    blocks, checkpoint_bytes, draft_params, export_bytes, is_mla, kind, layer_params, train_memory)
 from eagle3_train.train.budget import auto_epochs
 
 GB = 1e9
@@ -76,6 +78,10 @@ class Flags:
     max_tokens_per_batch: int = 4096
     ttt_steps: int = 3  # 04's default
     draft_arch: str = "auto"  # 04's --draft-arch: auto is the MLA layer for an MLA target, else Llama
+    num_speculative_tokens: int | None = None  # 04's (common/formats.py:speculative_tokens)
+    block_size: int | None = None  # 04's --block-size (common/formats.py:dflash_block)
+    block_anchors: int = 512  # 04's --block-anchors
+    supervised_fraction: float = 0.95  # of a batch's tokens, the answers' (a long reasoning answer after its prompt)
     norm_before_fc: bool = True  # 04's default: n_aux x H norm weights before fc (either layer)
     gpus: int = 8
     gpu_memory_gb: float = 96.0
@@ -138,105 +144,6 @@ def steps_per_epoch(f: Flags) -> int:
 
 def epochs(f: Flags) -> int:
     return f.epochs or auto_epochs(steps_per_epoch(f))
-
-
-def is_mla(shape: Shape, f: Flags) -> bool:
-    """Which layer 04 builds (train/model.draft_arch): --draft-arch mla, or auto on an MLA target."""
-    if f.draft_arch == "mla" and not shape.mla:
-        raise PipelineError("--draft-arch mla needs a target with multi-head latent attention (MLA dims in its config)")
-    return f.draft_arch == "mla" or (f.draft_arch == "auto" and shape.mla is not None)
-
-
-def mla_widths(shape: Shape) -> dict[str, int]:
-    """Per-token widths of the MLA layer's projections (draft_mla.MlaFirstLayer)."""
-    m, n = shape.mla, shape.heads
-    return {"q": n * (m["qk_nope_head_dim"] + m["qk_rope_head_dim"]), "q_lora": m["q_lora_rank"],
-            "kv_a": m["kv_lora_rank"] + m["qk_rope_head_dim"], "kv_lora": m["kv_lora_rank"],
-            "kv_b": n * (m["qk_nope_head_dim"] + m["v_head_dim"]), "o_in": n * m["v_head_dim"]}
-
-
-def layer_params(shape: Shape, f: Flags) -> int:
-    """The one decoder layer: q/k/v (or the MLA latents) over the 2H first-layer input, o, the dense
-    MLP, and the norms."""
-    H, I = shape.hidden, shape.intermediate
-    if is_mla(shape, f):
-        w = mla_widths(shape)
-        q = (2 * H * w["q_lora"] + w["q_lora"] + w["q_lora"] * w["q"]) if w["q_lora"] else 2 * H * w["q"]
-        attn = q + 2 * H * w["kv_a"] + w["kv_lora"] + w["kv_lora"] * w["kv_b"] + w["o_in"] * H
-        return attn + 3 * H * I + 3 * H
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    return 2 * H * (q + 2 * kv) + q * H + 3 * H * I + 3 * H  # q/k/v take 2H; o; gate/up/down; 3 norms
-
-
-def draft_params(shape: Shape, f: Flags) -> dict[str, int]:
-    """A one-layer EAGLE-3 draft as wide as the target (draft.build_draft over speculators', or
-    draft_mla.build_mla_draft)."""
-    H = shape.hidden
-    return {"fc": f.n_aux * H * H, "layer": layer_params(shape, f), "norm": H + f.norm_before_fc * f.n_aux * H,
-            "lm_head": f.draft_vocab_size * H, "embed": shape.vocab * H}
-
-
-def layer_activations_per_token(shape: Shape, f: Flags) -> int:
-    """Elements autograd keeps per new token and TTT step inside the layer: the 2H input and its
-    norms, the attention's projections and output, o, the residuals, MLP gate/up/act/down."""
-    H, I = shape.hidden, shape.intermediate
-    if is_mla(shape, f):
-        w = mla_widths(shape)
-        return 4 * H + 2 * w["q_lora"] + 2 * w["q"] + 2 * w["kv_a"] + 2 * w["o_in"] + 3 * H + 3 * I
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    return 4 * H + 2 * q + 2 * kv + 3 * H + 3 * I
-
-
-def mla_cache_activations(shape: Shape, f: Flags) -> int:
-    """What the MLA layer keeps for its keys: TTT step k (0-based) attends to (k+1) x S cached
-    positions, whose latents it expands again through kv_b (the latent in, k nope + rope and v
-    out); with dense attention also the scores and the mask over those keys (flex keeps neither)."""
-    w, S, T = mla_widths(shape), f.max_tokens_per_batch, f.ttt_steps
-    keys = S * T * (T + 1) // 2  # cached positions summed over the steps
-    k_width = w["kv_lora"] + shape.heads * (shape.mla["qk_nope_head_dim"] + 2 * shape.mla["qk_rope_head_dim"]) \
-        + shape.heads * shape.mla["v_head_dim"]
-    dense = (shape.heads + 1) * S * keys * 4 if f.attn != "flex" else 0
-    return keys * k_width * f.act_bytes + dense
-
-
-def train_memory(shape: Shape, f: Flags) -> dict[str, int]:
-    """04's peak per GPU (DDP: every GPU holds the whole draft): fp32 weights of every parameter,
-    fp32 grads + the optimizer state of the trainable ones (state_bytes), the target head's rows and full
-    lm_head (for the greedy token) in bf16 unless the store holds top-k, and the activations the
-    backward keeps for max_tokens_per_batch tokens over ttt_steps steps."""
-    p = draft_params(shape, f)
-    trainable = p["fc"] + p["layer"] + p["norm"] + p["lm_head"] * f.train_lm_head + p["embed"] * f.train_embeddings
-    total = sum(p.values())
-    H, S, a, dv = shape.hidden, f.max_tokens_per_batch, f.act_bytes, f.draft_vocab_size
-    # per step and token: the layer's, then the draft logits fp32 with log-softmax and grad, the
-    # target's probabilities
-    per_tok = layer_activations_per_token(shape, f) * a + 4 * dv * 4
-    if is_mla(shape, f):
-        attn = mla_cache_activations(shape, f)
-    else:
-        attn = f.ttt_steps * shape.heads * S * S * 4 if f.attn != "flex" else 0
-    head = 0 if f.storage == "fp8-topk" else (shape.vocab + dv) * H * a + 2 * S * dv * 4
-    act = f.ttt_steps * S * per_tok + S * f.n_aux * H * a + attn
-    out = {"weights": total * 4, "grads_and_adam": trainable * (4 + state_bytes(f)), "target_head": head,
-           "activations": act, "trainable_params": trainable, "params": total}
-    out["total"] = out["weights"] + out["grads_and_adam"] + head + act
-    return out
-
-
-def state_bytes(f: Flags) -> int:
-    """Optimizer state per trainable parameter, fp32: AdamW's two moments, or Muon's momentum (the
-    few norm weights it leaves to AdamW are neglected)."""
-    return 8 if f.optimizer == "adamw" else 4
-
-
-def checkpoint_bytes(shape: Shape, f: Flags) -> int:
-    """A checkpoint: the trainable weights + the optimizer state, fp32 (weights.pt + optimizer.pt)."""
-    return train_memory(shape, f)["trainable_params"] * (4 + state_bytes(f))
-
-
-def export_bytes(shape: Shape, f: Flags, dtype_bytes: int) -> int:
-    """The speculators export: every draft weight in the export dtype, d2t int64 and t2d bool."""
-    return sum(draft_params(shape, f).values()) * dtype_bytes + f.draft_vocab_size * 8 + shape.vocab
 
 
 def hours(n_tokens: int, rate: float) -> float | None:
@@ -329,7 +236,8 @@ def plan(shape: Shape, f: Flags) -> dict:
         "04": {"disk": checkpoint_bytes(shape, f) * 3 + export_bytes(shape, f, 2),
                "gpu_memory": mem["total"], "memory_parts": mem,
                "checkpoint": checkpoint_bytes(shape, f), "export_bf16": export_bytes(shape, f, 2),
-               "export_fp32": export_bytes(shape, f, 4), "draft": "mla" if is_mla(shape, f) else "llama",
+               "export_fp32": export_bytes(shape, f, 4), "draft": kind(shape, f),
+               "block_size": blocks(f) if kind(shape, f) == "dflash" else None,
                "epochs": epochs(f), "steps": steps_per_epoch(f) * epochs(f), **timed("04", n * epochs(f))},
         "05": {"gpu_memory": head_bytes(shape, f.head_chunk) + sum(draft_params(shape, f).values()) * 2,
                "gpu_memory_note": "offline: target head bf16 + chunk logits + the draft bf16"},
@@ -387,7 +295,8 @@ def table(p: dict) -> str:
     rows += capture_lines(p, gb)
     m = p["stages"]["04"]["memory_parts"]
     s4 = p["stages"]["04"]
-    rows.append(f"04 {s4['draft']} draft layer, {s4['epochs']} epoch(s) = {s4['steps']:,} steps")
+    what = f"DFlash block {s4['block_size']} draft" if s4["draft"] == "dflash" else f"{s4['draft']} draft layer"
+    rows.append(f"04 {what}, {s4['epochs']} epoch(s) = {s4['steps']:,} steps")
     rows.append(f"04 per GPU: weights {gb(m['weights'])}, grads+optimizer {gb(m['grads_and_adam'])}, target head "
                 f"{gb(m['target_head'])}, activations {gb(m['activations'])} "
                 f"({m['trainable_params'] / 1e6:,.0f}M trainable of {m['params'] / 1e6:,.0f}M)")
@@ -492,12 +401,14 @@ def dry_run_train(cfg) -> int:
               max_tokens_per_batch=cfg.max_tokens_per_batch, ttt_steps=cfg.ttt_steps, epochs=cfg.epochs,
               optimizer=cfg.optimizer, draft_arch=cfg.draft_arch, norm_before_fc=cfg.norm_before_fc,
               train_embeddings=cfg.train_embeddings, train_lm_head=cfg.train_lm_head,
-              attn="flex" if cfg.attn in ("auto", "flex") else cfg.attn)
+              num_speculative_tokens=cfg.num_speculative_tokens, block_size=cfg.block_size,
+              block_anchors=cfg.block_anchors, attn="flex" if cfg.attn in ("auto", "flex") else cfg.attn)
     s = plan(shape, f)["stages"]["04"]
     lr = choose_lr(cfg.lr, cfg.draft_width(shape.hidden))
-    print(f"04 plan: {s['draft']} draft layer, lr {lr['lr']:g} ({lr['lr_why']}); "
-          f"per GPU {s['gpu_memory'] / GB:,.2f} GB at "
-          f"{cfg.max_tokens_per_batch} tokens x {cfg.ttt_steps} TTT steps (bf16, flex on CUDA); "
+    steps = (f"blocks of {blocks(f)} (sdpa)" if s["draft"] == "dflash" else
+             f"{cfg.ttt_steps} TTT steps (bf16, flex on CUDA)")
+    print(f"04 plan: {s['draft']} draft{'' if s['draft'] == 'dflash' else ' layer'}, lr {lr['lr']:g} "
+          f"({lr['lr_why']}); per GPU {s['gpu_memory'] / GB:,.2f} GB at {cfg.max_tokens_per_batch} tokens x {steps}; "
           f"checkpoint {s['checkpoint'] / GB:,.2f} GB, "
           f"export {s['export_bf16'] / GB:,.2f} GB bf16 / {s['export_fp32'] / GB:,.2f} GB fp32; nothing written")
     return 0
@@ -554,7 +465,8 @@ def run(cfg) -> int:
     flags = Flags(samples=samples, tokens_per_sample=per_sample, storage=cfg.storage, topk=cfg.topk,
                   n_aux=cfg.n_aux, draft_vocab_size=cfg.draft_vocab_size,
                   max_tokens_per_batch=cfg.max_tokens_per_batch, ttt_steps=cfg.ttt_steps, epochs=cfg.epochs,
-                  draft_arch=cfg.draft_arch, attn="flex" if cfg.attn in ("auto", "flex") else cfg.attn,
+                  draft_arch=cfg.draft_arch, num_speculative_tokens=cfg.num_speculative_tokens,
+                  block_size=cfg.block_size, attn="flex" if cfg.attn in ("auto", "flex") else cfg.attn,
                   train_embeddings=cfg.train_embeddings,
                   train_lm_head=cfg.train_lm_head, gpus=cfg.gpus, gpu_memory_gb=cfg.gpu_memory_gb,
                   tokenized_bytes=measured, rates=cfg.rates(), gen_servers=cfg.gen_servers,

@@ -10,7 +10,7 @@ from typing import ClassVar
 
 from eagle3_train.common.config import TRAIN, StageConfig, require, setting
 from eagle3_train.common.errors import PipelineError
-from eagle3_train.common.formats import DRAFT_ARCHS
+from eagle3_train.common.formats import DFLASH_BLOCK, DRAFT_ARCHS, dflash_block, speculative_tokens
 from eagle3_train.train.budget import (
     LR_REF,
     LR_REF_WIDTH,
@@ -62,9 +62,10 @@ class TrainConfig(StageConfig):
                                             "or the last", resume=True)
 
     # -- the draft
-    draft_arch: str = setting("auto", help="decoder layer style; mla: the DeepSeek-V3 / Kimi target's own MLA + "
-                                           "dense MLP layer (vLLM's deepseek_eagle3); auto: mla for a target "
-                                           "with MLA, else llama")
+    draft_arch: str = setting("auto", help="the draft; llama/qwen3/mla: an EAGLE-3 decoder layer of that style "
+                                           "(mla: the DeepSeek-V3 / Kimi target's own MLA + dense MLP layer, "
+                                           "vLLM's deepseek_eagle3); dflash: a block drafter (vLLM's dflash); "
+                                           "auto: mla for a target with MLA, else llama")
     draft_layers: int = setting(1, help="decoder layers")
     draft_hidden_size: int | None = setting(None, help="draft width; smaller than the target's trains its own "
                                                        "embeddings (default: target's)")
@@ -98,10 +99,12 @@ class TrainConfig(StageConfig):
     train_embeddings: bool = setting(False, help="train embed_tokens too (default: frozen copy of the target's)")
     train_lm_head: bool = setting(False, help="train the draft lm_head too (default: frozen, the target's rows "
                                               "for the draft vocab)")
-    num_speculative_tokens: int = setting(3, help="speculative tokens written into the export's config")
+    num_speculative_tokens: int | None = setting(None, help="speculative tokens (K) written into the export's "
+                                                            "config (default: 3; dflash: the block's mask slots, "
+                                                            "block - 1)")
     block_size: int | None = setting(None, help="dflash: queries per block, the anchor token + its mask tokens; "
                                                 "vLLM runs 1 + num_speculative_tokens of them a step (default: "
-                                                "--num-speculative-tokens + 1)")
+                                                f"{DFLASH_BLOCK}, or --num-speculative-tokens + 1 if larger)")
     block_anchors: int = setting(512, help="dflash: blocks (anchors drawn among the supervised positions) per "
                                            "packed batch; validation drafts at every position")
     block_gamma: float = setting(4.0, help="dflash: the loss of block position k >= 1 weighs exp(-(k-1)/gamma) "
@@ -201,8 +204,10 @@ class TrainConfig(StageConfig):
 
     def validate(self) -> None:
         for name in ("ttt_steps", "max_tokens_per_batch", "grad_accum", "save_every", "log_every",
-                     "draft_layers", "num_speculative_tokens", "keep_last"):
+                     "draft_layers", "keep_last"):
             require(getattr(self, name) >= 1, f"--{_flag(name)} must be at least 1, not {getattr(self, name)}")
+        require(self.num_speculative_tokens is None or self.num_speculative_tokens >= 1,
+                f"--num-speculative-tokens must be at least 1, not {self.num_speculative_tokens}")
         require(self.group_tokens is None or self.group_tokens >= 0,
                 f"--group-tokens must be 0 (one forward) or more, not {self.group_tokens}")
         require(self.max_sample_tokens is None or self.max_sample_tokens >= 2,
@@ -240,7 +245,9 @@ class TrainConfig(StageConfig):
 
     def check_block(self) -> None:
         """dflash's flags: a block of at least 2 (anchor + a mask), serving no more tokens than it
-        trained; the other drafts take none of them."""
+        trained; the other drafts take none of them (auto: checked again once the target says which)."""
+        if self.draft_arch == "auto":
+            return
         dflash = self.draft_arch == "dflash"
         if not dflash:
             asked = [f"--{_flag(k)}" for k in ("block_size", "mask_token_id") if getattr(self, k) is not None]
@@ -248,16 +255,21 @@ class TrainConfig(StageConfig):
             return
         require(self.block_size is None or self.block_size >= 2,
                 f"--block-size must be at least 2 (the anchor and a mask token), not {self.block_size}")
-        require(self.num_speculative_tokens <= self.blocks - 1,
-                f"--num-speculative-tokens {self.num_speculative_tokens} drafts past the block it trains "
+        require(self.spec_tokens <= self.blocks - 1,
+                f"--num-speculative-tokens {self.spec_tokens} drafts past the block it trains "
                 f"(--block-size {self.blocks} drafts {self.blocks - 1})")
         require(self.block_anchors >= 1, f"--block-anchors must be at least 1, not {self.block_anchors}")
         require(self.block_gamma > 0, f"--block-gamma must be positive, not {self.block_gamma}")
 
     @property
     def blocks(self) -> int:
-        """dflash's block size: --block-size, or --num-speculative-tokens + 1."""
-        return self.block_size or self.num_speculative_tokens + 1
+        """dflash's block size (common/formats.py:dflash_block)."""
+        return dflash_block(self.block_size, self.num_speculative_tokens)
+
+    @property
+    def spec_tokens(self) -> int:
+        """K the export records (common/formats.py:speculative_tokens)."""
+        return speculative_tokens(self.draft_arch, self.block_size, self.num_speculative_tokens)
 
     @property
     def draft_steps(self) -> int:

@@ -110,7 +110,7 @@ def make_dflash_draft(config, inp, weights: dict | None, attn_impl: str = "sdpa"
         mask_token_id=config.mask_token_id, hidden_size=config.draft_hidden_size,
         intermediate_size=config.draft_intermediate_size, num_layers=config.draft_layers,
         num_heads=config.draft_heads, num_kv_heads=config.draft_kv_heads,
-        speculative_tokens=config.num_speculative_tokens, train_embeddings=config.train_embeddings,
+        speculative_tokens=config.spec_tokens, train_embeddings=config.train_embeddings,
         train_lm_head=config.train_lm_head, attn_impl=attn_impl, seed=config.seed)
 
 

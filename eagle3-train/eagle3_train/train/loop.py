@@ -50,11 +50,7 @@ def run(config: TrainConfig, *, on_step: Callable[[int], None] | None = None) ->
         torch.set_num_threads(config.threads)
     out = Path(config.output_dir)
     inp = open_inputs(config, d.dtype)
-    arch = draft_arch(config, inp)  # a draft the target cannot have: refused before anything is written
-    # The step norms' None (by the layer) recorded as what it resolves to: the manifest says what ran,
-    # and a run recorded before that default existed resumes wherever its value is unchanged.
-    config.norm_before_residual, config.norm_output = step_norms(arch, config.norm_before_residual,
-                                                                 config.norm_output)
+    resolve_draft(config, inp, out)  # a draft the target cannot have: refused before anything is written
     identity = input_identity(inp, config.vocab_mapping)
     with DirLock(out, STAGE) if d.main else contextlib.nullcontext():
         if d.main:
@@ -76,6 +72,33 @@ def run(config: TrainConfig, *, on_step: Callable[[int], None] | None = None) ->
             d.close()
 
 
+def resolve_draft(config: TrainConfig, inp, out: Path) -> None:
+    """--draft-arch auto, the step norms' None (by the layer), K and the DFlash block recorded as
+    what they resolve to: the manifest says what ran, and a run recorded before those were resolved
+    resumes as it ran (a recorded `auto` is what auto resolves to; a DFlash block recorded as None
+    meant K + 1; the norms resume where unchanged)."""
+    from eagle3_train.common import rerun
+
+    was = {} if config.overwrite else (rerun.read_record(out) or {}).get("config") or {}
+    arch = draft_arch(config, inp)
+    aliases = {"draft_arch": ("auto", arch)} if config.draft_arch == "auto" and was.get("draft_arch") == "auto" else {}
+    if was.get("draft_arch") in (arch, config.draft_arch) and was.get("num_speculative_tokens"):
+        if config.num_speculative_tokens is None and config.block_size is None:
+            config.num_speculative_tokens = was["num_speculative_tokens"]  # the bare rerun resumes its K
+        if arch == "dflash" and was.get("block_size", 0) is None and config.block_size is None:
+            config.block_size = config.num_speculative_tokens + 1
+            aliases["block_size"] = (None, config.block_size)
+    if aliases:
+        config.record_aliases = aliases
+    config.draft_arch = arch
+    config.check_block()  # auto's block flags, now that it is known whether the draft is a block draft
+    if arch == "dflash":
+        config.block_size = config.blocks
+    config.num_speculative_tokens = config.spec_tokens
+    config.norm_before_residual, config.norm_output = step_norms(arch, config.norm_before_residual,
+                                                                 config.norm_output)
+
+
 def finished(out: Path, d: Dist) -> dict:
     man = read_manifest(out, STAGE)
     if d.main and (out / EXPORT / "config.json").exists():
@@ -88,6 +111,7 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, d: Dist, inp: Inputs, out: Path):
         self.config, self.d, self.inp, self.out = config, d, inp, out
+        resolve_draft(config, inp, out)  # run() did; a Trainer made on its own (the memory check) too
         per_step = d.world * config.grad_accum
         self.follow = None  # --follow: the growing store's shards, in arrival order (follow.py)
         if config.follow:

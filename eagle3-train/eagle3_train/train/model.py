@@ -51,7 +51,7 @@ def make_draft(config: TrainConfig, inp: Inputs, weights: dict, attn: str = "sdp
                          num_heads=config.draft_heads, num_kv_heads=config.draft_kv_heads,
                          norm_before_residual=norm_before_residual, norm_before_fc=config.norm_before_fc,
                          norm_output=norm_output,
-                         speculative_tokens=config.num_speculative_tokens,
+                         speculative_tokens=config.spec_tokens,
                          train_embeddings=config.train_embeddings, train_lm_head=config.train_lm_head,
                          attn_impl=ATTN_IMPL[attn], seed=config.seed,
                          mla_dims=dims)
