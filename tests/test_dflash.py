@@ -119,7 +119,7 @@ def test_block_states_do_not_depend_on_the_other_blocks_or_later_context(inputs,
 def test_dflash_flags_are_checked(inputs, tmp_path):
     with pytest.raises(PipelineError, match="block draft"):
         stage.parse_args(inputs_argv(inputs, tmp_path / "a", block_size=4, draft_arch="llama"))
-    # auto takes them until the target says which draft it is: a Llama target's is no block draft
+    # auto is never a block draft (the MLA or the Llama layer): its block flags are refused
     with pytest.raises(PipelineError, match="block draft"):
         run(stage.parse_args(inputs_argv(inputs, tmp_path / "a2", block_size=4)))
     assert not (tmp_path / "a2").exists()  # refused before anything is written

@@ -93,24 +93,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _vllm_torch(expr: str) -> str | None:
+    """`print(expr)` in the vLLM environment's torch; None when that Python cannot be run."""
+    try:
+        return subprocess.run([vllm_python(), "-c", f"import torch; print({expr})"],
+                              capture_output=True, text=True, timeout=120).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def vllm_cpu_has_amx() -> bool:
     """Whether the CPU vLLM runs on has AMX tiles (its AMX_MLA backend needs them)."""
-    try:
-        out = subprocess.run([vllm_python(), "-c", "import torch; print(torch.cpu._is_amx_tile_supported())"],
-                             capture_output=True, text=True, timeout=120).stdout.strip()
-        return out == "True"
-    except (OSError, subprocess.SubprocessError):
-        return False
+    return _vllm_torch("torch.cpu._is_amx_tile_supported()") == "True"
 
 
 def on_cpu() -> bool:
     """Whether the vLLM we would launch is the CPU build (decides --enforce-eager, KV space)."""
-    try:
-        out = subprocess.run([vllm_python(), "-c", "import torch; print(torch.cuda.is_available())"],
-                             capture_output=True, text=True, timeout=120).stdout.strip()
-        return out != "True"
-    except (OSError, subprocess.SubprocessError):
-        return True
+    return _vllm_torch("torch.cuda.is_available()") != "True"
 
 
 def server_command(model: str, port: int, *, served_name: str | None = None,

@@ -245,9 +245,7 @@ class TrainConfig(StageConfig):
 
     def check_block(self) -> None:
         """dflash's flags: a block of at least 2 (anchor + a mask), serving no more tokens than it
-        trained; the other drafts take none of them (auto: checked again once the target says which)."""
-        if self.draft_arch == "auto":
-            return
+        trained; the other drafts (auto is never a block draft) take none of them."""
         dflash = self.draft_arch == "dflash"
         if not dflash:
             asked = [f"--{_flag(k)}" for k in ("block_size", "mask_token_id") if getattr(self, k) is not None]
