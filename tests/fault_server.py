@@ -22,6 +22,20 @@ Behaviours:
   length          an answer cut by max_tokens (finish_reason "length", no </think>, no content)
   exit            the server process dies on the spot (a crash; restart it to continue)
 
+Start-up, as a vLLM that is still loading and the servers that are not vLLM (common/server_wait.py):
+  --start-after S   the port listens only after S seconds (connections refused until then)
+  --loading S       for S seconds from the first GET, /health answers 503 and /v1/models --loading-status
+  --no-health       no /health route (404 there: not vLLM); otherwise /health is 200 once ready
+  --models-html     /v1/models answers 200 with a proxy's HTML page
+Every request is also logged with its `method` and `path` (FaultServer.gets()).
+
+A simulated KV cache, for 01b --concurrency auto (its gauges move with the load it is given):
+  --kv-slots N      /metrics serves vLLM's load gauges as if the cache held N answers: with k requests
+                    in flight, running min(k, N), waiting k - N, kv_cache_usage_perc min(1, k/N); an
+                    answer arriving over N preempts k - N (num_preemptions_total + k - N) and every answer is
+                    slowed by (k/N)^2 beyond N (the recompute: fewer tokens/s than at N); generation_tokens_total
+                    counts the answers' tokens. Without it there is no /metrics (404), as on a server that is not vLLM.
+
 With `--tokenizer DIR` the ids are the real ones of that tokenizer (the prompt rendered with its
 chat template, the answer as the target would emit it); otherwise they are stand-in ids.
 `--instant` answers every request with the same precomputed bytes (the client benchmark).
@@ -60,6 +74,14 @@ def parse_args(argv=None):
     p.add_argument("--heal", action="store_true", help="ignore directives and --schedule: all ok (a fixed server)")
     p.add_argument("--instant", action="store_true", help="same precomputed answer to everything (benchmarks)")
     p.add_argument("--log", default=None, help="append one JSON line per request here (default: none)")
+    p.add_argument("--kv-slots", type=int, default=0,
+                   help="serve vLLM gauges of a cache holding N answers (default: none)")
+    p.add_argument("--start-after", type=float, default=0.0, help="seconds before the port listens (default: 0)")
+    p.add_argument("--loading", type=float, default=0.0,
+                   help="seconds of /health 503 and /v1/models --loading-status from the first GET (default: 0)")
+    p.add_argument("--loading-status", type=int, default=503, help="/v1/models' status while --loading (default: 503)")
+    p.add_argument("--no-health", action="store_true", help="no /health route: a server that is not vLLM")
+    p.add_argument("--models-html", action="store_true", help="/v1/models answers 200 with an HTML page")
     return p.parse_args(argv)
 
 
@@ -156,14 +178,60 @@ def _reset(request: web.Request) -> None:
 
 def build_app(args) -> web.Application:
     faults = Faults(args)
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    first_get: list[float] = []
+
+    def loading() -> bool:
+        # --loading counts from the first GET, so the client's first probe sees the server loading
+        # however long that client took to start
+        if not first_get:
+            first_get.append(time.monotonic())
+        return time.monotonic() < first_get[0] + args.loading
     instant = json.dumps(faults.completion({"model": args.model, "messages": [
         {"role": "user", "content": "benchmark"}]})).encode()
 
+    @web.middleware
+    async def log_paths(request, handler):  # every request, routed or not (a wrong path is a 404 here)
+        faults.record(method=request.method, path=request.path, loading=loading())
+        return await handler(request)
+
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[log_paths])
+
     async def models(_request):
+        if loading():
+            return _error(args.loading_status, "loading")
+        if args.models_html:
+            return web.Response(text="<html><body><h1>Welcome</h1></body></html>", content_type="text/html")
         return web.json_response({"object": "list", "data": [{"id": args.model, "object": "model"}]})
 
+    async def health(_request):
+        return web.Response(status=503 if loading() else 200)
+
+    load = {"active": 0, "preemptions": 0, "generated": 0}
+
+    async def metrics(_request):
+        k, n = load["active"], args.kv_slots
+        text = "".join(f'{name}{{engine="0",model_name="{args.model}"}} {value}\n' for name, value in (
+            ("vllm:num_requests_running", min(k, n)), ("vllm:num_requests_waiting", max(0, k - n)),
+            ("vllm:kv_cache_usage_perc", min(1.0, k / n)), ("vllm:num_preemptions_total", float(load["preemptions"])),
+            ("vllm:generation_tokens_total", float(load["generated"]))))
+        return web.Response(text=text, content_type="text/plain")
+
     async def chat(request: web.Request):
+        if not args.kv_slots:
+            return await answer(request)
+        load["active"] += 1
+        try:
+            if load["active"] > args.kv_slots:
+                load["preemptions"] += load["active"] - args.kv_slots
+            response = await answer(request)
+            if response.status == 200 and response.body:
+                gen = json.loads(response.body).get("choices", [{}])[0].get("token_ids") or []
+                load["generated"] += len(gen)
+            return response
+        finally:
+            load["active"] -= 1
+
+    async def answer(request: web.Request):
         if args.instant:
             await request.read()
             return web.Response(body=instant, content_type="application/json")
@@ -178,7 +246,7 @@ def build_app(args) -> web.Application:
         if body.get("model") != args.model:
             return _error(404, f"The model `{body.get('model')}` does not exist.")
         if args.delay:
-            await asyncio.sleep(args.delay)
+            await asyncio.sleep(args.delay * max(1.0, load["active"] / args.kv_slots if args.kv_slots else 1.0) ** 2)
         if what.startswith("delay="):
             await asyncio.sleep(float(what.split("=", 1)[1]))
             what = "ok"
@@ -200,12 +268,17 @@ def build_app(args) -> web.Application:
         return _error(500, f"fault_server: unknown behaviour {what!r}")
 
     app.router.add_get("/v1/models", models)
+    if not args.no_health:
+        app.router.add_get("/health", health)
     app.router.add_post("/v1/chat/completions", chat)
+    if args.kv_slots:
+        app.router.add_get("/metrics", metrics)
     return app
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    time.sleep(args.start_after)  # the port refuses connections meanwhile, as while vLLM loads
     print(f"fault_server listening on http://{args.host}:{args.port}/v1 (pid {os.getpid()})", flush=True)
     web.run_app(build_app(args), host=args.host, port=args.port, print=None, access_log=None,
                 backlog=4096, reuse_address=True)

@@ -24,7 +24,7 @@ def script_path(name: str) -> Path:
 
 
 # Each numbered script is a shim over its stage's CLI module; tests call the module's main().
-STAGE_PACKAGES = {"00_preflight": "preflight", "00_plan": "plan", "01a_import_text": "import_text",
+STAGE_PACKAGES = {"00_preflight": "preflight", "00_plan": "plan", "01_split_prompts": "split_prompts", "01a_import_text": "import_text",
                   "01b_generate_synthetic": "generate", "01c_tokenize": "tokenize", "02_extract_hidden_states": "extract", "03_build_vocab_mapping": "vocab",
                   "04_train": "train", "05_evaluate": "evaluate"}
 

@@ -35,12 +35,15 @@ class FaultServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def start(self, *extra: str, timeout: float = 90) -> FaultServer:
+    def start(self, *extra: str, timeout: float = 90, ready: bool = True) -> FaultServer:
+        """`ready=False`: return once the process runs (with --start-after / --loading it is not up yet)."""
         cmd = [sys.executable, str(FAULT_SERVER), "--port", str(self.port), "--model", self.model,
                "--log", str(self.log), *self.args, *extra]
         out = open(self.workdir / f"fault-{self.port}.out", "ab")
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         out.close()
+        if not ready:
+            return self
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -67,6 +70,18 @@ class FaultServer:
                 self.kill()
 
     def requests(self) -> list[dict]:
+        """The chat requests it answered, with their behaviour (not the paths log)."""
+        return [r for r in self._logged() if "path" not in r]
+
+    def paths(self) -> list[dict]:
+        """Every request it got, in order: {method, path, loading}."""
+        return [r for r in self._logged() if "path" in r]
+
+    def gets(self, path: str | None = None) -> list[dict]:
+        """The GETs it got (of `path` only, if given): /v1/models, /health, /metrics."""
+        return [r for r in self.paths() if r["method"] == "GET" and path in (None, r["path"])]
+
+    def _logged(self) -> list[dict]:
         if not self.log.exists():
             return []
         return [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]

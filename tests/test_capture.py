@@ -333,7 +333,8 @@ def _fake_01b(root: Path, model: Path, mp: pytest.MonkeyPatch) -> list[str]:
     mp.setattr(_FakeServer, "spoil", {})
     mp.setattr(_FakeServer, "asked", [])
     return ["--input", str(prompts), "--output-dir", str(root / "out"), "--model", str(model),
-            "--base-url", "http://127.0.0.1:9/v1", "--no-preflight", "--capture-hidden-states", "--storage", "fp32",
+            "--base-url", "http://127.0.0.1:9/v1", "--no-preflight", "--wait-for-server", "0",
+            "--capture-hidden-states", "--storage", "fp32",
             "--max-retries", "1", "--concurrency", "1"]
 
 
@@ -684,3 +685,24 @@ def test_a_rerun_takes_back_the_plan_of_the_last_finish(tmp_path, tiny_reasoner_
     again.open(raw, ["q0", "q1"])
     assert not (out / "hidden" / hs.PLAN).exists() and not (out / "hidden" / "manifest.json").exists()
     again.close()
+
+
+def test_a_launched_capture_server_without_max_model_len_is_refused_before_it_starts(tmp_path, kimi_random_twin_dir,
+                                                                                      monkeypatch, capsys):
+    """Without --max-model-len a launched (or printed) capture server would be asked for the
+    target's whole context (Kimi: 262,144 tokens), which vLLM refuses only after the 554 GB load."""
+    from eagle3_train.common import vllm_server
+
+    started = []
+    monkeypatch.setattr(vllm_server.VllmServer, "start", lambda self: started.append(self))
+    prompts = write_prompt_file(tmp_path / "p.jsonl", 2, seed=5)
+    from eagle3_train.common.errors import run_main
+
+    for how in (["--launch-server"], []):
+        out = tmp_path / f"gen{len(how)}"
+        code = run_main(generate.main, [
+            "--input", str(prompts), "--output-dir", str(out), "--model", "twin", "--target",
+            str(kimi_random_twin_dir), "--capture-hidden-states", "--storage", "bf16", "--max-tokens", "100", *how])
+        err = capsys.readouterr().err
+        assert code == 2 and "--max-model-len" in err and "262,144" in err, err
+        assert not started and not (out / "hidden").exists()

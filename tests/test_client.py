@@ -181,7 +181,8 @@ def test_01b_notes_a_server_without_cache_figures_and_still_runs(tmp_path):
 
     prompts = write_prompts(tmp_path / "p.jsonl", ["q0", "q1"])
     with FaultServer(tmp_path) as fs:
-        r = run_gen(prompts, tmp_path / "out", fs.url, "--max-tokens", "100", "--timeout", "30")
+        # a pinned --concurrency is checked against the cache (auto says its own line: test_concurrency.py)
+        r = run_gen(prompts, tmp_path / "out", fs.url, "--max-tokens", "100", "--timeout", "30", "--concurrency", "64")
     assert r.returncode == 0, r.stderr
     note = f"note: {fs.url}: no KV cache figures at {fs.url[:-3]}/metrics (HTTP 404)"
     assert note in r.stdout and "warning:" not in r.stdout, r.stdout

@@ -226,3 +226,63 @@ def test_01c_refuses_a_raw_file_changed_after_01b_finished(tmp_path, fmt, record
     assert f"{raw} does not match its manifest (8 records" in lines[0]
     assert "changed after 01b finished; rerun 01b to repair it" in lines[0]
     assert {p: p.read_bytes() for p in d.rglob("*") if p.is_file() and p.name != ".lock"} == before
+
+
+# ----------------------------------------------------------------------------- --max-seq-len's default
+
+def test_max_seq_len_resolves_to_what_01b_can_return():
+    from eagle3_train.tokenize.config import FALLBACK_SEQ_LEN, resolve_max_seq_len
+
+    def resolve(given=None, **kw):
+        return resolve_max_seq_len(given, **{"longest_prompt": 900, "max_tokens": 16384, "max_model_len": 32768, **kw})
+
+    assert resolve() == (17284, "longest prompt + --max-tokens", None)  # the runbook's 16384 answers stay whole
+    assert resolve(max_tokens=None) == (32768, "server max_model_len", None)
+    value, source, note = resolve(max_tokens=None, max_model_len=None)
+    assert (value, source) == (FALLBACK_SEQ_LEN, "fallback") == (8192, "fallback") and note.startswith("note: ")
+    assert resolve(4096) == (4096, "given", None)
+    value, source, note = resolve(recorded=8192)  # built before the default was resolved: resumes as it ran
+    assert (value, source) == (8192, "recorded") and "as this set was built" in note
+
+
+def test_unset_max_seq_len_keeps_every_answer_whole_and_is_recorded(tmp_path, fmt, records, capsys):
+    d = raw_dir(tmp_path, records)
+    most = max(len(r["token_ids"]) for r in records)  # --max-tokens: no answer is longer
+    write_manifest(d, GEN_STAGE, config={"model": "tiny", "max_tokens": most}, counts={"records_in_file": len(records)},
+                   outputs={"raw_responses": describe_file(d / "raw_responses.jsonl")}, target={"model": "tiny"})
+    longest = max(len(r["prompt_token_ids"]) for r in records)
+    m = build_training_set(d, d / "tok", fmt, tokenizer_name="k25")
+    assert m["config"]["max_seq_len"] == longest + most
+    assert m["config"]["max_seq_len_from"] == "longest prompt + --max-tokens"
+    assert m["counts"]["truncated"] == 0 and "warning" not in capsys.readouterr().out
+    # given below prompt + --max-tokens: one warning line with what it cut
+    m = build_training_set(d, d / "tok2", fmt, tokenizer_name="k25", max_seq_len=longest + 2)
+    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: --max-seq-len")]
+    cut = m["counts"]["truncated"]
+    assert cut > 0 and len(warned) == 1
+    assert f": {cut} of {len(records)} answers cut to fit, 0 of them dropped" in warned[0], warned
+
+
+def test_a_set_built_at_the_old_default_resumes_as_it_was_built(tmp_path, fmt, records, capsys):
+    d = raw_dir(tmp_path, records[:4])
+    m = build_training_set(d, d / "tok", fmt, tokenizer_name="k25", max_seq_len=8192)
+    old = {**m, "config": {k: v for k, v in m["config"].items() if k != "max_seq_len_from"}}
+    (d / "tok" / "manifest.json").write_text(json.dumps(old))  # as the earlier code wrote it
+    mtime = (d / "tok" / DATA).stat().st_mtime_ns
+    capsys.readouterr()
+    build_training_set(d, d / "tok", fmt, tokenizer_name="k25")  # a bare rerun: same key, not rebuilt
+    out = capsys.readouterr().out
+    assert "--max-seq-len 8,192, as this set was built" in out and "up to date" in out, out
+    assert (d / "tok" / DATA).stat().st_mtime_ns == mtime
+
+
+def test_without_max_tokens_the_servers_context_is_the_cut(tmp_path, fmt, records, capsys):
+    d = raw_dir(tmp_path, records[:4])
+    write_manifest(d, GEN_STAGE, config={"model": "tiny", "max_tokens": None}, counts={"records_in_file": 4},
+                   outputs={"raw_responses": describe_file(d / "raw_responses.jsonl")}, target={"model": "tiny"},
+                   this_run={"server_cache": {"endpoints": {"http://a/v1": {"max_model_len": 4096},
+                                                            "http://b/v1": {"note": "no metrics"}}}})
+    assert build_training_set(d, d / "tok", fmt, tokenizer_name="k25")["config"]["max_seq_len"] == 4096
+    d2 = raw_dir(tmp_path / "bare", records[:4])  # nothing recorded: 8192, noted
+    assert build_training_set(d2, d2 / "tok", fmt, tokenizer_name="k25")["config"]["max_seq_len"] == 8192
+    assert "note: --max-seq-len 8192: 01b recorded no --max-tokens" in capsys.readouterr().out

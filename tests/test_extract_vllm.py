@@ -215,6 +215,28 @@ def test_vllm_backend_repacks_connector_files_into_the_same_store_as_hf(tmp_path
             assert torch.allclose(x.topk_logprobs, y.topk_logprobs, atol=2e-2)
 
 
+@pytest.mark.e2e
+def test_02_waits_for_a_server_that_is_still_loading(tmp_path, tokset, llama_target_dir):
+    """`vllm serve ... &` then 02 --server-url: 02 waits while the stand-in loads (/health 503 for
+    2 s after the first probe), then goes on to its first request, which this stand-in (no
+    /v1/completions) refuses: the wait let it through to the next check."""
+    from helpers_generate import FaultServer
+
+    out = tmp_path / "vl"
+    fs = FaultServer(tmp_path, "--loading", "2").start(ready=False)
+    try:
+        with pytest.raises(PipelineError, match=r"vLLM refused sample \S+: HTTP 404"):
+            stage.main(["--input", str(tokset), "--model", str(llama_target_dir), "--output-dir", str(out),
+                        "--backend", "vllm", "--server-url", fs.url, "--wait-for-server", "600"])
+    finally:
+        fs.stop()
+    log = (out / "progress.log").read_text()
+    assert f"02 extract waiting for {fs.url} (loading: " in log and " of 10m" in log, log
+    seen = fs.paths()
+    first_post = next(i for i, r in enumerate(seen) if r["method"] == "POST")
+    assert seen[0]["loading"] and not seen[first_post]["loading"]  # no sample was sent while it loaded
+
+
 CHUNK = 40  # the real extractor's --max-num-batched-tokens: samples here are up to 128 tokens
 
 

@@ -54,6 +54,8 @@ def inputs(tmp_path_factory, llama_target_dir):
 def argv(inputs, store, out, *extra, **flags):
     flags = {"max_tokens_per_batch": 160, "val_fraction": 0.2, "save_every": 4, "keep_last": 1, "epochs": None,
              "follow": True, "consume": True, "follow_timeout": 120, **flags}
+    if not flags["follow"]:  # a plain run: --follow-timeout alone is refused
+        flags["follow_timeout"] = None
     return inputs_argv({**inputs, "store": store}, out, *extra, **flags)
 
 
@@ -824,3 +826,30 @@ def test_a_last_shard_of_held_out_samples_does_not_deadlock_a_bounded_producer(i
     assert prod.error is None and shards_left(store) == []
     assert sorted(man["split"]["val_ids"]) == sorted(last["ids"])
     assert read_metrics(tmp_path / "run")["val"][-1]["step"] == man["counts"]["steps"]
+
+
+def test_under_torchrun_no_rank_leaves_a_follow_timeout_before_rank_0_wrote_stopped_json(tmp_path):
+    """torchrun kills the other ranks once one exits non-zero, so the record the driver loop reads
+    (exit 75 arrives as 1) must be on disk before any rank leaves: the stop waits at a barrier
+    after rank 0's write, on every rank."""
+    from types import SimpleNamespace
+
+    from eagle3_train.train.config import STOPPED
+    from eagle3_train.train.follow import FollowTimeout
+    from eagle3_train.train.loop import Trainer
+
+    events = []
+
+    class Dist:
+        def __init__(self, main):
+            self.main = main
+
+        def barrier(self):
+            events.append(("barrier", (tmp_path / STOPPED).exists()))
+
+    for main in (True, False):
+        trainer = SimpleNamespace(step=5, total_steps=9, out=tmp_path, d=Dist(main), unsaved=lambda: False)
+        with pytest.raises(FollowTimeout):
+            Trainer.stop_starved(trainer, meter=None, why="no new shard for 1 s", started=3)
+    # rank 0 wrote the record before its barrier; the other rank (run second here) passes it after
+    assert events == [("barrier", True), ("barrier", True)]

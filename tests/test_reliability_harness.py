@@ -130,4 +130,5 @@ def test_a_time_kill_that_finds_the_run_finished_is_drawn_again_earlier(tmp_path
     with pytest.raises(AssertionError, match="too few kills"):
         sweep(spec, tmp_path / "no-retry", ref, retries=0, **kw)
     trials = sweep(spec, tmp_path / "retry", ref, retries=4, **kw)
-    assert trials[0].mid_run == 1 and trials[0].moment.delay_s < 0.4
+    # drawn again earlier (halved until the kill lands mid-run: how often depends on the machine's load)
+    assert trials[0].mid_run == 1 and trials[0].moment.delay_s < ref.work_s

@@ -142,6 +142,25 @@ def test_05_refuses_a_draft_for_another_target(real, tmp_path, capfd, deepseek_t
     assert_one_error_line(res, "mismatch", "64", "128")  # deepseek's hidden size vs the draft's target's
 
 
+def test_05_refuses_heldout_prompts_the_draft_trained_on(real, tmp_path, capfd):
+    """The chain read back (04's manifest -> its store -> the store's ids, less 04's validation
+    ids) is what 01b answered and 04 trained on; 05 refuses those as --prompts before any server."""
+    from eagle3_train.common.lineage import draft_trained_ids
+    from eagle3_train.common.prompts import load_prompts
+    from helpers_generate import write_prompts
+
+    asked = load_prompts(str(real["prompts"])).ids
+    val = set(manifest(real["run"])["split"]["val_ids"])
+    assert val and draft_trained_ids(real["run"] / "export") == set(asked) - val
+    trained = [i for i in asked if i not in val]
+    prompts = write_prompts(tmp_path / "p.jsonl", ["new question", "old question"], ids=["unseen", trained[0]])
+    res = run_inprocess("05_evaluate", ["--draft", real["run"] / "export", "--prompts", prompts, "--arms", "eagle3",
+                                        "--output-dir", tmp_path / "ev", "--num-prompts", "1"], capfd)
+    assert_one_error_line(res, f"1 of 2 --prompts ids were in the draft's training set (e.g. {trained[0]!r})",
+                          "01_split_prompts.py")
+    assert not (tmp_path / "ev").exists() and "vllm" not in res.stdout.lower()
+
+
 # ----------------------------------------------------------------------------- not finished
 
 def unfinished(src: Path, dst: Path) -> Path:

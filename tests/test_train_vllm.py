@@ -70,19 +70,20 @@ def trained(tmp_path_factory, tiny_reasoner_dir):
     return {"run": root / "run", "train_s": time.monotonic() - t0}
 
 
-def demo_heldout_prompts(path):
-    """The demo's held-out prompts (scripts/demo.py, quick profile)."""
+def demo_heldout_prompts(directory):
+    """The demo's held-out prompts (scripts/demo.py, quick profile: its source, split as it splits it)."""
     import importlib
     import sys
-
-    from eagle3_testkit.tiny import write_prompt_file
 
     sys.path.insert(0, str(REPO_ROOT / "scripts"))  # the demo is a script: imported as it is run
     try:
         demo = importlib.import_module("demo")
     finally:
         sys.path.remove(str(REPO_ROOT / "scripts"))
-    return write_prompt_file(path, demo.PROFILES["quick"]["heldout_prompts"], demo.HELDOUT_SEED)
+    prof = demo.PROFILES["quick"]
+    argv = demo.split_argv(demo.write_source(directory / "source.jsonl", prof), prof, directory)
+    assert stage_cli("01_split_prompts").main([str(a) for a in argv[1:]]) == 0
+    return directory / "heldout.jsonl"
 
 
 def test_trained_draft_is_accepted_by_vllm_as_the_offline_walk_predicts(trained, tiny_reasoner_dir, tmp_path):
@@ -97,7 +98,7 @@ def test_trained_draft_is_accepted_by_vllm_as_the_offline_walk_predicts(trained,
 
     target, export = tiny_reasoner_dir, trained["run"] / "export"
     assert json.loads((export / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS
-    prompts = demo_heldout_prompts(tmp_path / "heldout.jsonl")
+    prompts = demo_heldout_prompts(tmp_path / "prompts")
     spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": 3}
     with VllmServer(target, served_name="tiny", speculative_config=spec, max_model_len=1024,
                     log_path=tmp_path / "vllm.log") as srv:

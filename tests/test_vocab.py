@@ -143,7 +143,7 @@ def test_no_reasoning_drops_think_tokens_from_the_required_set(k25_tokenizer):
 def test_draft_vocab_size_is_clamped_to_the_target(tmp_path, data_dir, target_dir, ntok, capsys):
     v = ntok + 60
     assert run03(data_dir, target_dir, tmp_path / "v") == 0  # default 32000 > 700
-    assert f"exceeds the target vocabulary; using {v}" in capsys.readouterr().out
+    assert f"warning: --draft-vocab-size 32000 exceeds the target vocabulary; using {v}" in capsys.readouterr().err
     m = vocab.read_mapping(tmp_path / "v")
     assert m.draft_vocab_size == v and m.t2d.all() and not m.d2t.any()
     assert m.manifest["config"]["draft_vocab_size"] == 32000 and m.manifest["draft_vocab_size"] == v

@@ -255,13 +255,16 @@ class ChatClient:
         """A response body -> the answer 01b stores (a subclass may keep more of it)."""
         return parse_completion(content, self.require_token_ids)
 
-    async def complete(self, body: bytes) -> Outcome:
-        """Send one request, retrying what is worth retrying; never raises for server trouble."""
+    async def complete(self, body: bytes, prefer: Endpoint | None = None) -> Outcome:
+        """Send one request, retrying what is worth retrying; never raises for server trouble.
+        `prefer`: the endpoint of the first attempt (01b --concurrency auto's per-endpoint levels);
+        a retry still moves to another endpoint."""
         t0 = time.monotonic()
         ep = None
         last: dict = {}
         for attempt in range(1, self.max_retries + 2):
-            ep = self._pick(ep if len(self.endpoints) > 1 and last else None)
+            ep = prefer if attempt == 1 and prefer is not None else \
+                self._pick(ep if len(self.endpoints) > 1 and last else None)
             ep.inflight += 1
             try:
                 async with asyncio.timeout(self.timeout):
@@ -307,23 +310,24 @@ class ChatClient:
             raise PipelineError(f"{head}: " + "; ".join(warnings))
         return warnings
 
-    async def metrics(self) -> list[tuple[Endpoint, str | None, str | None]]:
-        """Each endpoint's Prometheus text at server_metrics.metrics_url, as (endpoint, text, None),
-        or (endpoint, None, why) where there is none (404: not vLLM; unreachable); never raises
-        for server trouble."""
+    async def metrics(self, endpoints: list[Endpoint] | None = None,
+                      timeout: float = 30.0) -> list[tuple[Endpoint, str | None, str | None]]:
+        """Each endpoint's (default: all) Prometheus text at server_metrics.metrics_url, as (endpoint,
+        text, None), or (endpoint, None, why) where there is none (404: not vLLM; unreachable); never
+        raises for server trouble."""
         import httpx2
 
         from eagle3_train.common.server_metrics import metrics_url
 
         out = []
-        for ep in self.endpoints:
+        for ep in self.endpoints if endpoints is None else endpoints:
             try:
-                async with asyncio.timeout(min(self.timeout, 30)):
+                async with asyncio.timeout(min(self.timeout, timeout)):
                     resp = await ep.client.get(metrics_url(ep.url), cast_to=httpx2.Response)
                 out.append((ep, resp.text, None))
             except Exception as e:  # noqa: BLE001 - any failure is a missing figure, not a failed run
                 try:
-                    c = classify(e, min(self.timeout, 30))
+                    c = classify(e, min(self.timeout, timeout))
                     why = f"HTTP {c['status']}" if c["status"] else c["message"]
                 except Exception:  # noqa: BLE001
                     why = f"{type(e).__name__}: {_one_line(e, 120)}"

@@ -40,6 +40,7 @@ from eagle3_train.common.errors import PipelineError
 
 # ----------------------------------------------------------------------------- stage ids
 # What a stage writes in its manifest's `stage` and what the next stage checks: the script's name.
+SPLIT_PROMPTS = "01_split_prompts"  # the prompt source -> train.jsonl + heldout.jsonl
 IMPORT_TEXT = "01a_import_text"  # writes a GENERATE-format directory (its manifest says GENERATE)
 GENERATE = "01b_generate_synthetic"
 TOKENIZE = "01c_tokenize"
@@ -47,7 +48,7 @@ EXTRACT = "02_extract_hidden_states"
 VOCAB = "03_build_vocab_mapping"
 TRAIN = "04_train"
 EVALUATE = "05_evaluate"
-STAGES = (IMPORT_TEXT, GENERATE, TOKENIZE, EXTRACT, VOCAB, TRAIN, EVALUATE)
+STAGES = (SPLIT_PROMPTS, IMPORT_TEXT, GENERATE, TOKENIZE, EXTRACT, VOCAB, TRAIN, EVALUATE)
 # Ids written before they were the script's name; manifest.read_manifest still accepts them.
 LEGACY_IDS = {"01b": GENERATE, "tokenize": TOKENIZE}
 
@@ -154,6 +155,11 @@ class Settings:
         """The settings a resume must match: every field not marked resume=True."""
         skip = self.resumable()
         return {k: v for k, v in self.to_dict().items() if k not in skip}
+
+    def given(self, *names: str) -> list[str]:
+        """The flags among `names` (field names) set to other than their defaults, as `--flag`: what
+        validate() names when they only matter with another flag."""
+        return [f"--{n.replace('_', '-')}" for n in names if getattr(self, n) != self.default(n)]
 
 
 @dataclass(kw_only=True)

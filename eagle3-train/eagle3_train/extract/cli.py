@@ -5,12 +5,12 @@ and the last layer's output before the final norm (or, with --storage fp8-topk, 
 top-k next-token distribution instead), in safetensors shards with an index, a fixed plan and a
 manifest. Rerunning the same command resumes; --validate checks a finished store.
 
-  python eagle3-train/02_extract_hidden_states.py --input data/tokenized --model TARGET \
+  uv run eagle3-train/02_extract_hidden_states.py --input data/tokenized --model TARGET \\
       --output-dir data/hidden
   # several GPUs, one process each (shards are split by rank):
-  torchrun --nproc-per-node 8 eagle3-train/02_extract_hidden_states.py --input ... --model ... --output-dir ...
+  uv run torchrun --nproc-per-node 8 eagle3-train/02_extract_hidden_states.py --input ... --model ... --output-dir ...
   # the 1T target through vLLM (prints the `vllm serve` command to start first):
-  python eagle3-train/02_extract_hidden_states.py --backend vllm --input ... --model ... --output-dir ...
+  uv run eagle3-train/02_extract_hidden_states.py --backend vllm --input ... --model ... --output-dir ...
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def parse_args(argv=None) -> ExtractConfig:
     vl.add_argument("--max-model-len", type=int, **C.arg("max_model_len"))
     vl.add_argument("--request-timeout", type=float, **C.arg("request_timeout"))
     vl.add_argument("--startup-timeout", type=float, **C.arg("startup_timeout"))
+    vl.add_argument("--wait-for-server", type=float, **C.arg("wait_for_server"))
     vl.add_argument("--served-model-name", **C.arg("served_model_name"))
     vl.add_argument("--vllm-args", **C.arg("vllm_args"))
 
@@ -80,9 +81,9 @@ def parse_args(argv=None) -> ExtractConfig:
 def main(argv=None) -> int:
     config = parse_args(argv)
     if config.dry_run:
-        from eagle3_train.plan.planner import dry_run_extract
+        from eagle3_train.common.dry_run import dry_run  # 00's figures, reached without importing 00
 
-        return dry_run_extract(config)
+        return dry_run(config)
     from eagle3_train.extract import run
 
     return run(config)

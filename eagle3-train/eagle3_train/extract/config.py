@@ -8,10 +8,15 @@ from typing import ClassVar
 
 from eagle3_train.common.config import EXTRACT, StageConfig, require, setting
 from eagle3_train.common.formats import STORAGES
+from eagle3_train.common.server_wait import WAIT_DEFAULT_S, WAIT_HELP, check_wait
 from eagle3_train.common.vllm_server import STARTUP_HELP
 
 BACKENDS = ("hf", "vllm")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+# the flags only the vllm backend reads
+VLLM_ONLY = ("server_url", "launch_server", "hidden_states_dir", "concurrency", "tensor_parallel_size",
+             "max_num_batched_tokens", "max_model_len", "request_timeout", "startup_timeout", "served_model_name",
+             "vllm_args", "wait_for_server")
 
 
 @dataclass(kw_only=True)
@@ -80,6 +85,7 @@ class ExtractConfig(StageConfig):
                                         help="for the printed/launched server (default: longest sample + 1)")
     request_timeout: float = setting(600.0, resume=True, help="seconds per request (default: 600)")
     startup_timeout: float | None = setting(None, resume=True, help=f"with --launch-server: {STARTUP_HELP}")
+    wait_for_server: float = setting(WAIT_DEFAULT_S, resume=True, help=f"with --server-url: {WAIT_HELP}")
     served_model_name: str | None = setting(None, resume=True,
                                             help="model name the server answers to (default: --model)")
     vllm_args: str = setting("", resume=True, help=(
@@ -108,6 +114,7 @@ class ExtractConfig(StageConfig):
         require(self.topk >= 1, f"--topk must be at least 1, not {self.topk}")
         require(self.startup_timeout is None or self.startup_timeout > 0,
                 f"--startup-timeout must be positive, not {self.startup_timeout}")
+        check_wait(self.wait_for_server)
         for flag, value in (("--shard-mb", self.shard_mb), ("--batch-tokens", self.batch_tokens),
                             ("--max-batch-size", self.max_batch_size), ("--concurrency", self.concurrency),
                             ("--max-num-batched-tokens", self.max_num_batched_tokens)):
@@ -118,4 +125,9 @@ class ExtractConfig(StageConfig):
                 "--stop-when-full stops once the store reaches --max-store-gb: add --max-store-gb")
         require(self.progress_every >= 0, f"--progress-every must not be negative, not {self.progress_every}")
         require(not (self.validate_only and self.repair), "--validate and --repair exclude each other")
+        # without --backend vllm these would be ignored and the target loaded here in transformers
+        served = self.given(*VLLM_ONLY)
+        require(self.backend == "vllm" or not served,
+                f"{', '.join(served)}: for --backend vllm (a vLLM server), but --backend is {self.backend}; "
+                f"add --backend vllm or drop {'them' if len(served) > 1 else 'it'}")
         self.input = Path(self.input)

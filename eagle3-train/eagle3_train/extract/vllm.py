@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.server_wait import log_line, wait_for_servers
 from eagle3_train.common.target_layout import is_wrapper
 from eagle3_train.common.vllm_server import V2_RUNNER_FALLBACK
 
@@ -154,7 +155,10 @@ def remove_request_file(path: str | Path) -> None:
 
 # ----------------------------------------------------------------------------- top-k head
 
-HEAD_WORKSPACE = 2 << 30  # logits of a chunk of rows over the full vocabulary, and the allocator's slack
+TOPK_LOGITS = 1 << 28  # logits one call of topk_logprobs holds at once (its row chunk x the vocabulary)
+# One call's transient: the chunk's logits in the head's dtype (2 B), their fp32 copy and log_softmax
+# (4 B each), and the allocator's slack. Calls run one at a time (CheckpointHead.lock), so this is all.
+HEAD_WORKSPACE = TOPK_LOGITS * (2 + 4 + 4) + (256 << 20)
 
 
 def head_bytes(cfg) -> int:
@@ -165,7 +169,8 @@ def head_bytes(cfg) -> int:
 def head_device(device: str, need: int, free: list[int] | None = None) -> str:
     """Where 02's top-k head runs. An explicit --device is kept. `auto` is chosen on purpose: the
     vLLM server this stage talks to takes --gpu-memory-utilization (0.9) of every GPU it uses, so
-    the GPU with the most free memory, if the head and its workspace fit there, else the CPU.
+    the GPU with the most free memory (not GPU 0 beside a multi-GPU server), if the head and its
+    workspace fit there, else the CPU.
     `free`: bytes free per GPU (read from CUDA when not given; VllmBackend asks only once its
     server is up, when the figures include vLLM's share)."""
     if device != "auto":
@@ -175,7 +180,10 @@ def head_device(device: str, need: int, free: list[int] | None = None) -> str:
 
         free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())] \
             if torch.cuda.is_available() else []
-    best = max(range(len(free)), key=lambda i: free[i], default=None)
+    # Beside a server over several GPUs, never GPU 0: the hidden-states connector gathers every rank's
+    # states there (~57 KB a token for Kimi, a request at a time), and an OOM there kills worker 0.
+    gpus = range(1, len(free)) if len(free) > 1 else range(len(free))
+    best = max(gpus, key=lambda i: free[i], default=None)
     if best is not None and free[best] >= need + HEAD_WORKSPACE:
         return f"cuda:{best}"
     return "cpu"
@@ -217,6 +225,9 @@ class CheckpointHead:
                                 "--storage fp8-topk needs an unquantised lm_head")
         self.eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         self.device = device
+        # 01b capture's reader threads share one head: each call's transient is a workspace beside
+        # vLLM on a GPU with a few GB free, and one call at a time is as fast (the GPU runs them in turn).
+        self.lock = threading.Lock()
 
     def to(self, device: str) -> "CheckpointHead":
         self.norm_w, self.head_w = self.norm_w.to(device), self.head_w.to(device)
@@ -236,10 +247,11 @@ class CheckpointHead:
         from eagle3_train.extract.hf import topk_logprobs
 
         # As HF's RMSNorm: normalise in fp32, cast back to the input dtype, then scale.
-        x = last.to(self.device)
-        xf = x.float()
-        x = self.norm_w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return topk_logprobs(x, self.head_w, k)
+        with self.lock:
+            x = last.to(self.device)
+            xf = x.float()
+            x = self.norm_w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+            return topk_logprobs(x, self.head_w, k, budget=TOPK_LOGITS)
 
 
 # ----------------------------------------------------------------------------- backend
@@ -275,6 +287,10 @@ class VllmBackend:
         self.model_runner = None  # known for a server this stage launched (its log says)
         if args.server_url:
             url = args.server_url
+            # It may still be loading (`vllm serve ... &` then 02); a launched server waits in start().
+            asyncio.run(wait_for_servers([url], args.wait_for_server,
+                                         api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+                                         say=log_line("02 extract", out / "progress.log")))
         elif args.launch_server:
             from eagle3_train.common.vllm_server import VllmServer
 
@@ -295,6 +311,9 @@ class VllmBackend:
                 print(f"02: vLLM runs its V2 model runner; if extraction fails there, rerun with "
                       f"{V2_RUNNER_FALLBACK} in the environment (the V1 runner is the one tested on CPU)",
                       file=sys.stderr)
+            elif self.model_runner == "not logged":  # a vLLM newer than 0.32 logs neither runner
+                print("02: vLLM's log names no model runner (tested with vLLM 0.32's V1/V2 lines); recorded as "
+                      "'not logged'", file=sys.stderr)
         else:
             cmd = serve_command(args.model, self.layer_ids, self.hidden_dir, max_model_len=max_len,
                                 tensor_parallel_size=args.tensor_parallel_size, served_name=args.served_model_name,

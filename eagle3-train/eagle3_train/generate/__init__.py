@@ -3,6 +3,7 @@
   config.py  GenerateConfig
   cli.py     the command line (01b_generate_synthetic.py)
   stage.py   run(): plan the work, send, stream the answers, errors.jsonl, the manifest
+  concurrency.py  --concurrency auto: the pure controller (next_level) and its driver (pools, history)
 """
 
 

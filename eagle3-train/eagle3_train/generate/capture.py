@@ -77,6 +77,9 @@ FINAL_ROW = ("zeros: the answer's last token is never fed through the target; no
              "take no target where no token follows)")
 LOCK_WAIT_S = 600.0  # longest wait for the connector to finish writing one file
 
+# The longest context 01b capture asks of a server it launches or prints without --max-model-len.
+LONGEST_UNASKED_CONTEXT = 32768
+
 
 @dataclass
 class CaptureClient(ChatClient):
@@ -85,10 +88,10 @@ class CaptureClient(ChatClient):
 
     room: Callable[[], None] | None = None
 
-    async def complete(self, body: bytes) -> Outcome:
+    async def complete(self, body: bytes, prefer=None) -> Outcome:
         if self.room is not None:  # on a thread: the answers in flight are still collected meanwhile
             await asyncio.to_thread(self.room)
-        return await super().complete(body)
+        return await super().complete(body, prefer)
 
     def parse(self, content: bytes) -> dict:
         answer = super().parse(content)
@@ -160,7 +163,20 @@ class Capture:
         self.dir = Path(out_dir) / HIDDEN
         self.own_requests = cfg.hidden_states_dir is None
         self.req_dir = Path(cfg.hidden_states_dir or Path(out_dir) / REQUESTS).resolve()
-        self.max_model_len = cfg.max_model_len or int(getattr(tcfg, "max_position_embeddings", 0) or 8192)
+        context = int(getattr(tcfg, "max_position_embeddings", 0) or 8192)
+        if cfg.max_model_len is None and not cfg.base_url and context > LONGEST_UNASKED_CONTEXT:
+            # vLLM would be asked for the target's whole context (Kimi: 262,144 tokens) and, with the
+            # hidden-state cache beside the KV cache, refuse it only after loading the weights
+            raise PipelineError(f"--capture-hidden-states without --max-model-len would start vLLM at the target's "
+                                f"full context of {context:,} tokens, which it refuses only after loading the "
+                                f"weights: pass --max-model-len (the longest prompt + --max-tokens, e.g. 32768)")
+        self.max_model_len = cfg.max_model_len or context
+        if cfg.max_seq_len is None:  # 01c's cut, needed per answer as it arrives: no answer passes the server's
+            # context, so none is cut; a run recorded with a value resumes with it
+            from eagle3_train.common.rerun import read_record
+
+            was = {} if cfg.overwrite else ((read_record(out_dir) or {}).get("inputs") or {}).get("capture") or {}
+            cfg.max_seq_len = was.get("max_seq_len") or self.max_model_len
         self.meta = {"storage": cfg.storage, "layer_ids": [*self.aux_ids, self.N]}
         self.stats = Counter()
         self.head = None
@@ -195,7 +211,7 @@ class Capture:
         cmd = vx.serve_command(self.name, self.layer_ids, self.req_dir, max_model_len=self.max_model_len,
                                tensor_parallel_size=c.tensor_parallel_size,
                                served_name=c.model if c.model != self.name else None,
-                               max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.concurrency)
+                               max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.most_in_flight)
         return cmd + (f" {c.vllm_args}" if c.vllm_args else "")
 
     @contextlib.contextmanager
@@ -220,7 +236,7 @@ class Capture:
                                  extra_args=vx.server_args(self.layer_ids, self.req_dir,
                                                            tensor_parallel_size=c.tensor_parallel_size,
                                                            max_num_batched_tokens=c.max_num_batched_tokens,
-                                                           max_num_seqs=c.concurrency, model=self.name)
+                                                           max_num_seqs=c.most_in_flight, model=self.name)
                                  + shlex.split(c.vllm_args or ""))
         print(f"starting vLLM: {self.server.command_line()}", file=sys.stderr)
         self.server.start()

@@ -15,8 +15,7 @@ from eagle3_train.common.config import Settings, require, setting
 from eagle3_train.common.formats import STORAGES
 from eagle3_train.extract.config import ExtractConfig
 
-HIDDEN = "hidden"  # <output-dir>/hidden: the store, in 02's format
-REQUESTS = ".vllm-requests"  # <output-dir>/.vllm-requests: the connector's per-request files
+from eagle3_train.common.layout import HIDDEN, REQUESTS  # noqa: F401 -- named here too (capture.py, tests)
 
 
 def _like_02(name: str, *, resume: bool, help: str | None = None):  # noqa: A002
@@ -67,14 +66,26 @@ class CaptureSettings(Settings):
                                                            "endpoint, e.g. http://127.0.0.1:8000/v1)")
             require(not self.launch_server, "--launch-server starts the capturing server: it needs "
                                             "--capture-hidden-states")
+            idle = self.given(*CAPTURE_ONLY)
+            require(not idle, f"{', '.join(idle)}: read only by the hidden-state capture; add "
+                              f"--capture-hidden-states or drop {'them' if len(idle) > 1 else 'it'}")
             return
         require(not getattr(self, "allow_text_fallback", False),
                 "--capture-hidden-states needs the server's own token ids: it excludes --allow-text-fallback")
+        # the layer count and the top-k head come from the checkpoint: a served name is usually no
+        # folder here, and as a hub id it would be looked up online, late, in transformers' words
+        model = getattr(self, "model", None)
+        require(bool(self.target) or (model is not None and Path(model).is_dir()),
+                f"--capture-hidden-states needs --target, the target's checkpoint folder (or hub id): --model "
+                f"{model!r} is the served name and no folder here")
         # 02's checks, one line each, on the same values (storage, top-k, shard size, batching, startup).
         ExtractConfig(input=Path("."), output_dir=Path("."), model=self.target or getattr(self, "model", "?"),
                       backend="vllm", **{f: getattr(self, f) for f in CHECKED_BY_02})
 
 
+# the flags that only the capture reads (--launch-server has its own line above)
+CAPTURE_ONLY = ("target", "layers", "storage", "topk", "shard_mb", "hidden_states_dir", "tensor_parallel_size",
+                "max_num_batched_tokens", "max_model_len", "startup_timeout", "vllm_args", "max_store_gb", "device")
 CHECKED_BY_02 = ("layers", "storage", "topk", "shard_mb", "tensor_parallel_size", "max_num_batched_tokens",
                  "startup_timeout", "device", "max_store_gb")
 

@@ -1,7 +1,7 @@
 """01b: regenerate the answers of a prompt set with the target served by vLLM (resumable).
 
-    uv run eagle3-train/01b_generate_synthetic.py --input prompts.jsonl --output-dir runs/gen \
-        --base-url http://127.0.0.1:8000/v1 --model kimi-k2.5 --concurrency 200 --max-tokens 16384
+    uv run eagle3-train/01b_generate_synthetic.py --input prompts.jsonl --output-dir runs/gen \\
+        --base-url http://127.0.0.1:8000/v1 --model kimi-k2.5 --max-tokens 16384
 
 Rerunning the same command resumes (answered ids are skipped, failed ones retried). Exit codes:
 0 all answered; 1 some ids still failed after retries (see errors.jsonl; rerun to retry them);
@@ -53,9 +53,12 @@ def parse_args(argv=None) -> GenerateConfig:
     g.add_argument("--base-url", action="append", **C.arg("base_url", default=None, required=False))
     g.add_argument("--model", **C.arg("model"))
     g.add_argument("--api-key", **C.arg("api_key"))
-    g.add_argument("--concurrency", type=int, **C.arg("concurrency"))
+    g.add_argument("--concurrency", **C.arg("concurrency"))
+    g.add_argument("--max-concurrency", type=int, **C.arg("max_concurrency"))
+    g.add_argument("--concurrency-every", type=float, **C.arg("concurrency_every"))
     g.add_argument("--timeout", type=float, **C.arg("timeout"))
     g.add_argument("--connect-timeout", type=float, **C.arg("connect_timeout"))
+    g.add_argument("--wait-for-server", type=float, **C.arg("wait_for_server"))
     g.add_argument("--max-retries", type=int, **C.arg("max_retries"))
     g.add_argument("--backoff-base", type=float, **C.arg("backoff_base"))
     g.add_argument("--backoff-max", type=float, **C.arg("backoff_max"))

@@ -9,13 +9,21 @@ from pathlib import Path
 from typing import ClassVar
 
 from eagle3_train.common.config import GENERATE, StageConfig, require, setting
-from eagle3_train.generate.capture_settings import HIDDEN, REQUESTS, CaptureSettings
+from eagle3_train.common.layout import ERRORS, PROGRESS_LOG, RAW, RAW_DIR_OUTPUTS  # noqa: F401 -- named here too
+from eagle3_train.common.server_wait import WAIT_DEFAULT_S, WAIT_HELP, check_wait
+from eagle3_train.common.errors import PipelineError
+from eagle3_train.generate.capture_settings import CaptureSettings
+from eagle3_train.generate.concurrency import EVERY_S, FIXED
 from eagle3_train.tokenize.config import TokenizeSettings
 
-RAW = "raw_responses.jsonl"
-ERRORS = "errors.jsonl"
-PROGRESS_LOG = "progress.log"
 TRANSPORTS = ("aiohttp", "httpx")
+# --extra-body keys with a flag of their own, or that 01b sets (one whole answer per request, its ids)
+EXTRA_BODY_OWNED = {"model": "pass --model", "messages": "the prompts come from --input",
+                    "max_tokens": "pass --max-tokens", "max_completion_tokens": "pass --max-tokens",
+                    "temperature": "pass --temperature", "top_p": "pass --top-p", "seed": "pass --seed",
+                    "chat_template_kwargs": "pass --chat-template-kwargs", "stream": "01b reads whole answers",
+                    "n": "01b keeps one answer per prompt"}
+AUTO = "auto"
 
 
 @dataclass(kw_only=True)
@@ -26,7 +34,7 @@ class GenerateConfig(CaptureSettings, TokenizeSettings, StageConfig):
     an id-less answer becomes, so it may not."""
 
     stage: ClassVar[str] = GENERATE
-    outputs: ClassVar[tuple[str, ...] | None] = (RAW, ERRORS, PROGRESS_LOG, "tokenized", HIDDEN, REQUESTS)
+    outputs: ClassVar[tuple[str, ...] | None] = RAW_DIR_OUTPUTS
     claims: ClassVar[tuple[str, ...]] = (RAW,)
 
     # input (compared as resolved: the source's path or name, and the split of a dataset)
@@ -55,12 +63,19 @@ class GenerateConfig(CaptureSettings, TokenizeSettings, StageConfig):
     api_key: str = setting(default_factory=lambda: os.environ.get("OPENAI_API_KEY", "EMPTY"), resume=True,
                            secret=True, help=(
                                "API key; not stored in the manifest (default: $OPENAI_API_KEY, else EMPTY)"))
-    concurrency: int = setting(64, resume=True, help=(
-        "requests in flight in total; the preflight warns when they exceed the servers' KV cache (vLLM's "
-        "/metrics) and names the concurrency that keeps answers resident (default: 64)"))
+    concurrency: int | str = setting("auto", resume=True, help=(
+        "requests in flight: auto = steered per endpoint by the server's live load (vLLM's /metrics: KV cache use, "
+        "requests waiting, preemptions, tokens/s), at most --max-concurrency; a server without those gauges gets "
+        f"a fixed {FIXED}. A number pins the total; the preflight warns when it exceeds the servers' KV cache and "
+        "names the concurrency that keeps answers resident (default: auto)"))
+    max_concurrency: int = setting(256, resume=True, help=(
+        "with --concurrency auto: the most requests in flight per endpoint"))
+    concurrency_every: float = setting(EVERY_S, resume=True, help=(
+        "with --concurrency auto: seconds between readings of each server's /metrics"))
     timeout: float = setting(3600.0, resume=True, help=(
         "seconds for one attempt, end to end; long reasoning needs minutes (default: 3600)"))
     connect_timeout: float = setting(30.0, resume=True, help="seconds to connect (default: 30)")
+    wait_for_server: float = setting(WAIT_DEFAULT_S, resume=True, help=WAIT_HELP)
     max_retries: int = setting(5, resume=True, help="retries after timeouts, connection errors, 429 and 5xx")
     backoff_base: float = setting(2.0, resume=True, help=(
         "first retry waits ~this many seconds, doubling each time (default: 2)"))
@@ -91,11 +106,41 @@ class GenerateConfig(CaptureSettings, TokenizeSettings, StageConfig):
     tokenize: bool = setting(False, resume=True, help=(
         "also write <output-dir>/tokenized/ (training JSONL) when generation is done"))
 
+    @property
+    def auto(self) -> bool:
+        return self.concurrency == AUTO
+
+    @property
+    def most_in_flight(self) -> int:
+        """The most requests one server gets: its connection pool, a launched server's --max-num-seqs."""
+        return self.max_concurrency if self.auto else self.concurrency
+
+    def check_extra_body(self) -> None:
+        """--extra-body rides on every request: keys that 01b or another flag sets, or that would
+        change what one request returns, are refused before any request."""
+        owned = {k: flag for k, flag in EXTRA_BODY_OWNED.items() if k in self.extra_body}
+        require(not owned, "--extra-body sets " + ", ".join(f"{k!r} ({why})" for k, why in owned.items())
+                + ": drop it from --extra-body")
+        kv = self.extra_body.get("kv_transfer_params")
+        require(kv is None or isinstance(kv, dict),
+                f"--extra-body's kv_transfer_params must be a JSON object (vLLM's connector parameters), not {kv!r}")
+
     def validate(self):
-        require(self.concurrency >= 1, f"--concurrency must be positive, not {self.concurrency}")
+        if isinstance(self.concurrency, str) and self.concurrency != AUTO:
+            try:
+                self.concurrency = int(self.concurrency)
+            except ValueError:
+                raise PipelineError(f"--concurrency must be auto or a positive number, not {self.concurrency!r}") \
+                    from None
+        require(self.auto or self.concurrency >= 1,
+                f"--concurrency must be positive (or auto), not {self.concurrency}")
+        require(self.max_concurrency >= 1, f"--max-concurrency must be positive, not {self.max_concurrency}")
+        require(self.concurrency_every > 0,
+                f"--concurrency-every must be positive (seconds), not {self.concurrency_every}")
         require(self.max_retries >= 0, f"--max-retries must not be negative, not {self.max_retries}")
         require(self.timeout > 0, f"--timeout must be positive, not {self.timeout}")
         require(self.connect_timeout > 0, f"--connect-timeout must be positive, not {self.connect_timeout}")
+        check_wait(self.wait_for_server)
         require(self.backoff_base >= 0, f"--backoff-base must not be negative, not {self.backoff_base}")
         require(self.backoff_max >= 0, f"--backoff-max must not be negative, not {self.backoff_max}")
         require(self.abort_after >= 0, f"--abort-after must not be negative (0 = never), not {self.abort_after}")
@@ -109,6 +154,14 @@ class GenerateConfig(CaptureSettings, TokenizeSettings, StageConfig):
                 f"--top-p must lie in (0, 1], not {self.top_p}")
         require(self.transport in TRANSPORTS, f"--transport {self.transport!r}: choose aiohttp or httpx")
         require(isinstance(self.extra_body, dict), "--extra-body must be a JSON object")
+        self.check_extra_body()
+        # the tokenization flags shape tokenized/, the text fallback's ids and the capture's rows: nothing else
+        unread = self.given("tokenizer", "think_start_id", "think_end_id", "end_of_turn_id", "max_seq_len", "loss_on",
+                            "keep_length")
+        require(self.tokenize or self.allow_text_fallback or self.capture_hidden_states or not unread,
+                f"{', '.join(unread).replace('--keep-length', '--drop-length')}: read only with --tokenize (or "
+                "--allow-text-fallback, --capture-hidden-states); add --tokenize or drop "
+                f"{'them' if len(unread) > 1 else 'it'}")
         require(self.progress_every >= 0, f"--progress-every must not be negative, not {self.progress_every}")
         self.validate_tokenization()
         self.validate_capture()

@@ -24,6 +24,7 @@ import json
 import math
 import signal
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +36,13 @@ from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.manifest import MANIFEST, describe_file, write_manifest
 from eagle3_train.common.progress import Progress
 from eagle3_train.common.prompts import Prompt, load_prompts, parse_shard
-from eagle3_train.common.server_metrics import CACHE_INFO, cache_tokens, fitting_concurrency, metrics_url
+from eagle3_train.common.server_metrics import CACHE_INFO, cache_tokens, fitting_concurrency, gauges, metrics_url
+from eagle3_train.common.server_wait import wait_for_servers
 from eagle3_train.common.store import DirLock, JsonlWriter, atomic_write_text, clean_temp_files, pending_ids, read_jsonl
+from eagle3_train.generate.concurrency import Pool, Steer, make_pools
+from eagle3_train.generate.concurrency import record as concurrency_record
 from eagle3_train.generate.config import ERRORS, PROGRESS_LOG, RAW
-from eagle3_train.import_text.stage import TEXT_WARNING, text_answer, text_warning
+from eagle3_train.common.text_answers import TEXT_WARNING, text_answer, text_warning
 
 STAGE = GENERATE
 
@@ -139,16 +143,21 @@ def prompt_tokens_estimate(prompts: list[Prompt]) -> int:
     return math.ceil(chars / CHARS_PER_TOKEN / max(1, len(prompts)))
 
 
-def cache_report(figures: list[tuple[str, int | None, int | None, str | None]], concurrency: int, prompt: int,
+def cache_report(figures: list[tuple[str, int | None, int | None, str | None]], concurrency: int | None, prompt: int,
                  max_tokens: int | None) -> tuple[list[str], dict]:
     """What 01b says about the servers' KV caches before sending prompts: lines to print (a
     `warning:` when --concurrency x (prompt + max tokens) exceeds a server's cache, naming the
     concurrency that fits; a `note:` where a server gives no figures) and the record for the
     manifest. `figures`: per endpoint (url, cache tokens, max_model_len, why there are none).
-    The client spreads requests evenly (fewest in flight first), so each server holds its share."""
-    share = math.ceil(concurrency / len(figures))
+    The client spreads requests evenly (fewest in flight first), so each server holds its share.
+    `concurrency` None (auto): no warning, and no note where figures are missing (the controller
+    says what it does with such a server)."""
+    share = math.ceil(concurrency / len(figures)) if concurrency else None
     lines, endpoints, fits = [], {}, []
     for url, cache, max_len, why in figures:
+        if cache is None and share is None:
+            endpoints[url] = {"note": why or f"no {CACHE_INFO}"}
+            continue
         if cache is None:
             lines.append(f"note: {url}: no KV cache figures at {metrics_url(url)} ({why or f'no {CACHE_INFO}'}); "
                          "--concurrency is not checked against it")
@@ -166,7 +175,10 @@ def cache_report(figures: list[tuple[str, int | None, int | None, str | None]], 
         endpoints[url] = {"cache_tokens": cache, "max_model_len": max_len, "request_tokens": request,
                           "concurrency_fits": fit}
         what = f"(~{prompt:,} prompt + {max_tokens:,} --max-tokens)" if max_tokens else "(max_model_len)"
-        if share * request > cache:
+        if share is None:
+            lines.append(f"01b: {url}: KV cache {cache:,} tokens holds {fit:,} requests of {request:,} tokens "
+                         f"{what} whole; --concurrency auto follows its live load")
+        elif share * request > cache:
             lines.append(f"warning: {url}: {share:,} requests in flight x {request:,} tokens {what} = "
                          f"{share * request:,} tokens > the server's KV cache of {cache:,} tokens: vLLM will "
                          f"preempt and recompute answers; --concurrency {fit * len(figures):,} keeps them resident")
@@ -184,7 +196,8 @@ async def check_server_cache(client: ChatClient, prompts: list[Prompt], args, sa
     calls `say(line)` per line of cache_report; returns its record for the manifest."""
     figures = [(ep.url, cache_tokens(text) if text else None, ep.max_model_len, why)
                for ep, text, why in await client.metrics()]
-    lines, record = cache_report(figures, args.concurrency, prompt_tokens_estimate(prompts), args.max_tokens)
+    lines, record = cache_report(figures, None if args.auto else args.concurrency, prompt_tokens_estimate(prompts),
+                                 args.max_tokens)
     for line in lines:
         say(line)
     return record
@@ -210,6 +223,14 @@ class RunResult:
     states_reasked: int | None = None  # --capture-hidden-states: requests sent again for an unusable states file
 
 
+def _say(progress: Progress, line: str) -> None:
+    """A line on the terminal (above the bar) and in progress.log (`tail -f` over SSH)."""
+    progress.bar.write(line)
+    if progress.log_path is not None:
+        with open(progress.log_path, "a") as f:
+            f.write(f"{_now()} {STAGE} {line}\n")
+
+
 async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progress, text_fmt=None, cap=None) -> dict:
     """`text_fmt` (a ChatFormat) set: answers without token ids are re-wrapped from their text.
     `cap` (a capture.Capture): each answer is committed with its hidden states (capture.py)."""
@@ -217,66 +238,80 @@ async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progre
     client = client_class(args.base_url, args.model, timeout=args.timeout, max_retries=args.max_retries,
                         backoff_base=args.backoff_base, backoff_max=args.backoff_max,
                         connect_timeout=args.connect_timeout, api_key=args.api_key,
-                        concurrency=args.concurrency, transport=args.transport,
+                        concurrency=args.most_in_flight, transport=args.transport,
                         require_token_ids=text_fmt is None)
     loop = asyncio.get_running_loop()
     stats = {"answered": 0, "failed": 0, "tokens": 0, "interrupted": None, "finish": Counter(),
              "error_types": Counter(), "text_derived": 0}
     written: set[str] = set()
 
-    def say(line: str) -> None:  # the terminal and progress.log (`tail -f` over SSH)
-        progress.bar.write(line)
-        if progress.log_path is not None:
-            with open(progress.log_path, "a") as f:
-                f.write(f"{_now()} {STAGE} {line}\n")
+    def say(line: str) -> None:
+        _say(progress, line)
 
     streak: list[dict] = []  # the errors of the failures in a row so far
     it = iter(prompts)
     raw = JsonlWriter(out_dir / RAW, fsync=False)
     err = JsonlWriter(out_dir / ERRORS, fsync=False)
 
-    async def worker():
-        for p in it:
-            sampling = sampling_for(args, p.id)
-            body = client.body(p.messages, sampling, chat_template_kwargs=args.chat_template_kwargs,
-                               extra_body=args.extra_body if cap is None else cap.extra_body(args.extra_body))
-            out = await client.complete(body)
-            states = None
-            if cap is not None:  # read before the commit below; a lost file asks again
-                out, states = await cap.collect(p, out, lambda body=body: client.complete(body))
-            # From here to the next await nothing can interrupt: a record is written whole or not.
-            if p.id in written:
-                continue
-            written.add(p.id)
-            if out.ok:
-                a = out.answer
-                if a["token_ids"] is None:  # only with --allow-text-fallback (see text_import)
-                    a = text_answer(text_fmt, p.messages, a)
-                    stats["text_derived"] += 1
-                rec = {"id": p.id, "messages": p.messages, **a, "sampling": sampling,
-                       "endpoint": out.endpoint, "latency_s": out.latency_s, "attempts": out.attempts,
-                       "created": _now()}
-                cap.add(rec, states) if cap is not None else raw.write(rec)
-                stats["answered"] += 1
-                stats["tokens"] += len(a["token_ids"])
-                stats["finish"][a["finish_reason"]] += 1
-                streak.clear()
-                progress.update(1, tokens=len(a["token_ids"]))
+    taken = [0]  # prompts taken by the workers so far
+
+    async def worker(pool: Pool):
+        # A pool above its level loses workers here, between two requests: none is ever cancelled.
+        try:
+            while pool.keep():
+                p = next(it, None)
+                if p is None:
+                    break
+                taken[0] += 1
+                await answer(p, pool)
             else:
-                e = out.error
-                err.write({"id": p.id, **e, "created": _now()})
-                stats["failed"] += 1
-                stats["error_types"][e["error_type"]] += 1
-                streak.append(e)
-                progress.update(1, errors=1, last_error=e["error_type"])
-                if args.abort_after and len(streak) >= args.abort_after:
-                    cause = no_retry_helps(streak)
-                    if cause:
-                        raise _Abort(f"{len(streak)} requests in a row were {cause}; a rerun would fail the "
-                                     "same way (the answers so far are kept)")
-                    raise _Abort(f"{len(streak)} requests in a row failed after retries (last: "
-                                 f"{e['error_type']}: {e['message']}); the server looks down or "
-                                 "misconfigured; fix it and rerun the same command to resume")
+                return  # keep() counted this worker out
+        except BaseException:
+            pool.workers -= 1
+            raise
+        pool.workers -= 1
+
+    async def answer(p: Prompt, pool: Pool):
+        sampling = sampling_for(args, p.id)
+        body = client.body(p.messages, sampling, chat_template_kwargs=args.chat_template_kwargs,
+                           extra_body=args.extra_body if cap is None else cap.extra_body(args.extra_body))
+        out = await client.complete(body, pool.endpoint)
+        states = None
+        if cap is not None:  # read before the commit below; a lost file asks again
+            out, states = await cap.collect(p, out, lambda body=body: client.complete(body))
+        # From here to the next await nothing can interrupt: a record is written whole or not.
+        if p.id in written:
+            return
+        written.add(p.id)
+        if out.ok:
+            a = out.answer
+            if a["token_ids"] is None:  # only with --allow-text-fallback (see text_import)
+                a = text_answer(text_fmt, p.messages, a)
+                stats["text_derived"] += 1
+            rec = {"id": p.id, "messages": p.messages, **a, "sampling": sampling,
+                   "endpoint": out.endpoint, "latency_s": out.latency_s, "attempts": out.attempts,
+                   "created": _now()}
+            cap.add(rec, states) if cap is not None else raw.write(rec)
+            stats["answered"] += 1
+            stats["tokens"] += len(a["token_ids"])
+            stats["finish"][a["finish_reason"]] += 1
+            streak.clear()
+            progress.update(1, tokens=len(a["token_ids"]))
+        else:
+            e = out.error
+            err.write({"id": p.id, **e, "created": _now()})
+            stats["failed"] += 1
+            stats["error_types"][e["error_type"]] += 1
+            streak.append(e)
+            progress.update(1, errors=1, last_error=e["error_type"])
+            if args.abort_after and len(streak) >= args.abort_after:
+                cause = no_retry_helps(streak)
+                if cause:
+                    raise _Abort(f"{len(streak)} requests in a row were {cause}; a rerun would fail the "
+                                 "same way (the answers so far are kept)")
+                raise _Abort(f"{len(streak)} requests in a row failed after retries (last: "
+                             f"{e['error_type']}: {e['message']}); the server looks down or "
+                             "misconfigured; fix it and rerun the same command to resume")
 
     async def syncer():
         while True:
@@ -286,6 +321,7 @@ async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progre
 
     main_task = asyncio.current_task()
     tasks: list[asyncio.Task] = []
+    control: list[asyncio.Task] = []  # the controllers' loop (--concurrency auto)
 
     def on_signal(name):
         if stats["interrupted"] is None:
@@ -293,7 +329,7 @@ async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progre
             busy = sum(1 for t in tasks if not t.done())
             progress.bar.write(f"{name}: stopping; {busy} requests in flight are abandoned "
                                "(they stay pending; rerun the same command to resume)")
-        for t in tasks:
+        for t in (*tasks, *control):
             t.cancel()
         if not tasks:
             main_task.cancel()
@@ -301,22 +337,61 @@ async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progre
     sigs = (signal.SIGINT, signal.SIGTERM)
     for s in sigs:
         loop.add_signal_handler(s, on_signal, s.name)
+
+    def fill(pool: Pool) -> None:
+        """Start workers up to the pool's level (no more than the prompts nobody has taken)."""
+        for _ in range(min(pool.level - pool.workers, len(prompts) - taken[0])):
+            pool.workers += 1
+            tasks.append(asyncio.create_task(worker(pool)))
+        started.set()
+
+    async def steer_loop(steers: list[Steer]):
+        while True:
+            await asyncio.sleep(args.concurrency_every)
+            read = await client.metrics([st.pool.endpoint for st in steers],
+                                        timeout=max(5.0, 3 * args.concurrency_every))
+            now = time.monotonic()
+            for st, (_, text, _) in zip(steers, read):
+                g = gauges(text) if text else None
+                if g is not None:  # a missed reading holds the level
+                    st.observe(g, now)
+                    fill(st.pool)
+            progress.extra["level"] = ", ".join(st.line() for st in steers)
+
     sync_task = asyncio.create_task(syncer())
+    started = asyncio.Event()
     abort = None
+    steers: list[Steer] = []
+    fixed: dict = {}
     try:
         async with client:
             if not args.no_preflight:
                 for w in await client.preflight():
                     progress.bar.write(f"warning: {w}")
                 stats["server_cache"] = await check_server_cache(client, prompts, args, say)
-            tasks.extend(asyncio.create_task(worker()) for _ in range(min(args.concurrency, len(prompts))))
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+            pools, steers, fixed = await make_pools(client, args, say)
+            for pool in pools:
+                fill(pool)
+            if steers:
+                control.append(asyncio.create_task(steer_loop(steers)))
+            # Until every worker has left or one failed; workers started meanwhile wake the wait up.
+            while True:
+                failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+                tasks[:] = [t for t in tasks if not t.done() or t in failed]
+                live = [t for t in tasks if not t.done()]
+                if failed or not live:
+                    break
+                started.clear()
+                wake = asyncio.create_task(started.wait())
+                await asyncio.wait([*live, wake], return_when=asyncio.FIRST_COMPLETED)
+                wake.cancel()
+            for t in control:
+                t.cancel()
             abort = next((t.exception() for t in failed if isinstance(t.exception(), _Abort)), None)
             if failed:  # an abort, a full disk, a bug: stop the other workers too
                 for t in tasks:
                     t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, *control, return_exceptions=True)
             for t in tasks:
                 if not t.cancelled() and t.exception() is not None and not isinstance(t.exception(), _Abort):
                     raise t.exception()
@@ -325,6 +400,8 @@ async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progre
             raise
     finally:
         sync_task.cancel()
+        for t in control:
+            t.cancel()
         for s in sigs:
             loop.remove_signal_handler(s)
         raw.close()
@@ -332,6 +409,7 @@ async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progre
     if abort is not None:
         raise PipelineError(str(abort))
     stats["retries"] = client.retries
+    stats["concurrency"] = concurrency_record(args, steers, fixed)
     stats["endpoints"] = {e.url: {"ok": e.ok, "failed_attempts": e.failed} for e in client.endpoints}
     return stats
 
@@ -340,6 +418,11 @@ def run_generation(args) -> RunResult:
     """The whole stage for a GenerateConfig (see 01b_generate_synthetic.py)."""
     out_dir = args.output_dir
     shard = parse_shard(args.shard)
+    fmt = None
+    if args.allow_text_fallback or args.tokenize:  # the tokenizer and its ids: before anything is written or asked
+        from eagle3_train.common.tokenization import chat_format_from_args
+
+        fmt = chat_format_from_args(args, default_tokenizer=args.model)
     with DirLock(out_dir, STAGE):
         clean_temp_files(out_dir)
         ps = load_prompts(args.input, split=args.split, config=args.dataset_config, limit=args.limit,
@@ -350,11 +433,7 @@ def run_generation(args) -> RunResult:
 
             cap = Capture(args, out_dir)
         rerun.prepare(args, {**source_identity(args, ps.source), **(cap.identity() if cap is not None else {})})
-        text_fmt = None
-        if args.allow_text_fallback:  # load the tokenizer before any request
-            from eagle3_train.common.tokenization import chat_format_from_args
-
-            text_fmt = chat_format_from_args(args, default_tokenizer=args.model)
+        text_fmt = fmt if args.allow_text_fallback else None
         raw_path, err_path = out_dir / RAW, out_dir / ERRORS
         JsonlWriter(raw_path).close()  # repairs a torn tail left by kill -9 before we read it
         if cap is not None:  # answers and states made to agree again after a kill (capture.py)
@@ -374,9 +453,15 @@ def run_generation(args) -> RunResult:
                                 every_s=args.progress_every, unit="req")
             note = "failed"
             try:
+                if args.base_url:  # a server given by URL may still be loading (a launched one has waited)
+                    asyncio.run(wait_for_servers(args.base_url, args.wait_for_server, api_key=args.api_key,
+                                                 say=lambda line: _say(progress, line)))
                 with cap.serving(out_dir / "vllm-server.log") if cap is not None else contextlib.nullcontext():
                     stats = asyncio.run(_generate(todo, args, out_dir, progress, text_fmt, cap))
                 note = f"stopped by {stats['interrupted']}" if stats["interrupted"] else "finished"
+            except KeyboardInterrupt:  # Ctrl-C before _generate took the signals over (the wait)
+                note = "stopped by SIGINT"
+                raise
             finally:
                 if cap is not None:
                     cap.close()  # the answers still buffered are committed with their states
@@ -443,9 +528,10 @@ def run(cfg) -> int:
 
 def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: dict) -> int:
     """Writes the manifest; returns how many answers in it are text-derived."""
-    finish, prompt_tokens, gen_tokens, text_derived = Counter(), 0, 0, 0
+    finish, prompt_tokens, gen_tokens, text_derived, longest = Counter(), 0, 0, 0, 0
     requested = set(ps.ids)
     for rec in read_jsonl(out_dir / RAW):
+        longest = max(longest, len(rec.get("prompt_token_ids") or ()))  # of every record 01c reads: its --max-seq-len
         if rec.get("id") in requested:
             text_derived += rec.get("source") == "text"
             finish[rec.get("finish_reason")] += 1
@@ -459,13 +545,15 @@ def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: 
                  "errors": describe_file(out_dir / ERRORS) if (out_dir / ERRORS).exists() else None},
         counts={"requested": len(ps.ids), "answered": answered, "failed": failed,
                 "finish_reasons": dict(finish), "error_types": dict(error_types),
-                "prompt_tokens": prompt_tokens, "generated_tokens": gen_tokens,
+                "prompt_tokens": prompt_tokens, "longest_prompt_tokens": longest, "generated_tokens": gen_tokens,
                 "records_in_file": sum(1 for _ in read_jsonl(out_dir / RAW)), "text_derived": text_derived,
                 "this_run": {"answered": stats["answered"], "failed": stats["failed"],
                              "retries": stats["retries"], "text_derived": stats.get("text_derived", 0)}},
         target={"model": args.model, "base_urls": list(args.base_url or ())},
         identity={**args.identity(), **source_identity(args, ps.source)}, text_derived=bool(text_derived),
-        # what the servers said of their KV cache at this run's start: an observation, not a setting
-        **({"this_run": {"server_cache": stats["server_cache"]}} if stats.get("server_cache") else {}),
+        # what the servers said of their KV cache at this run's start, and the levels in flight this run
+        # took (with auto: how each endpoint's level followed its load): observations, not settings
+        **({"this_run": seen} if (seen := {k: stats[k] for k in ("server_cache", "concurrency") if stats.get(k)})
+           else {}),
         **({"text_warning": TEXT_WARNING} if text_derived else {}))
     return text_derived

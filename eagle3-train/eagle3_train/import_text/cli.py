@@ -1,6 +1,6 @@
 """01a: answers without token ids (reasoning/content text only) -> a 01b-format output directory.
 
-    uv run eagle3-train/01a_import_text.py --input answers.jsonl --output-dir runs/gen \
+    uv run eagle3-train/01a_import_text.py --input answers.jsonl --output-dir runs/gen \\
         --tokenizer moonshotai/Kimi-K2.5 [--tokenize]
 
 For answers from a server that returns no token ids (SGLang, a hosted API) or an earlier

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from eagle3_train.common.config import IMPORT_TEXT, StageConfig, require, setting
-from eagle3_train.generate.config import RAW, GenerateConfig
+from eagle3_train.common.layout import RAW, RAW_DIR_OUTPUTS
 from eagle3_train.tokenize.config import TokenizeSettings
 
 # In 01b these only shape tokenized/ (resumable there); here they make the ids of raw_responses.jsonl.
@@ -22,7 +22,7 @@ class ImportTextConfig(TokenizeSettings, StageConfig):
 
     stage: ClassVar[str] = IMPORT_TEXT
     # --overwrite moves aside whatever a 01b run or an earlier import left here
-    outputs: ClassVar[tuple[str, ...] | None] = GenerateConfig.outputs
+    outputs: ClassVar[tuple[str, ...] | None] = RAW_DIR_OUTPUTS
     claims: ClassVar[tuple[str, ...]] = (RAW,)
 
     input: str = setting(help="JSONL of answers with reasoning/content and their prompts")

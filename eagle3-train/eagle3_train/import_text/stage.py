@@ -18,31 +18,11 @@ from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.manifest import MANIFEST, describe_file, describe_tokenizer, write_manifest
 from eagle3_train.common.progress import Progress
 from eagle3_train.common.prompts import BadRow, repeated_id, row_to_prompt
+from eagle3_train.common.layout import PROGRESS_LOG, RAW
 from eagle3_train.common.store import TMP_PREFIX, DirLock, JsonlWriter, clean_temp_files, jsonl_lines
-from eagle3_train.generate.config import PROGRESS_LOG, RAW
+from eagle3_train.common.text_answers import TEXT_WARNING, has_special_text, text_answer, text_warning
 
-TEXT_WARNING = ("text cannot restore the exact tokenization the target chose, whitespace its reasoning "
-                "parser stripped (e.g. a newline before </think>), or special tokens written inside "
-                "the text; a server that returns token ids gives exact data")
 FINISH_REASONS = ("stop", "length")
-
-
-def text_answer(fmt, messages: list[dict], answer: dict) -> dict:
-    """`answer` (reasoning, content, finish_reason, ...) with ids re-wrapped from its texts."""
-    prompt, gen = fmt.rewrap(messages, answer.get("reasoning"), answer.get("content"),
-                             answer.get("finish_reason") or "stop")
-    return {**answer, "prompt_token_ids": prompt, "token_ids": gen, "source": "text"}
-
-
-def has_special_text(fmt, *texts: str | None) -> bool:
-    """A special token's string inside the text: it encodes as that token, whatever the target wrote."""
-    specials = [t for t in getattr(fmt.tokenizer, "all_special_tokens", []) if t]
-    return any(s in t for t in texts if t for s in specials)
-
-
-def text_warning(n: int, total: int, with_specials: int | None = None) -> str:
-    specials = "" if with_specials is None else f" ({with_specials} with special-token strings in their text)"
-    return f"warning: {n} of {total} answers have text-derived ids{specials}: {TEXT_WARNING}"
 
 
 def _answer_of(row: dict, where: str) -> dict:

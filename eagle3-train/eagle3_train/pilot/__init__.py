@@ -7,6 +7,7 @@ The runbook: preflight -> 00 plan -> pilot -> the full run.
   driver.py  stages as processes: banner, skip when finished and matching, refuse another run's
              output, stage times (scripts/demo.py drives the demo with it too)
   stage.py   run(): the pilot's steps, the screen, pilot_report.json / .md
+  rates.py   01b's measured tok/s and answer lengths -> gen_rates.json, the full run's 01b from them
 """
 
 

@@ -3,9 +3,9 @@ run's target, prompts and server flags. Each stage runs as its own process into 
 01b's answers are screened for garbled output; one table says per stage ok/failed and its time,
 the screen's verdict and 05's acceptance length (<work-dir>/pilot/pilot_report.{json,md}).
 
-    eagle3-pilot --target $MODEL --input mlabonne/open-perfectblend --work-dir $W \\
+    uv run eagle3-train/pilot.py --target $MODEL --input mlabonne/open-perfectblend --work-dir $W \\
         --max-tokens 16384 --temperature 1.0 --tensor-parallel-size 8 --server-arg=--trust-remote-code
-    eagle3-pilot --screen-only $W/gen          # only the screen of an 01b output (running or finished)
+    uv run eagle3-train/pilot.py --screen-only $W/gen          # only the screen of an 01b output (running or finished)
 
 01b asks a vLLM launched here on --target (stopped before 02, which launches its own with
 --extract-backend vllm), or your running server (--base-url, --model). Rerunning the same command
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from eagle3_train.common.config import join_dash_values
 from eagle3_train.common.errors import run_main
 from eagle3_train.pilot.config import BACKENDS, PilotConfig
 
@@ -30,7 +31,7 @@ def parse_args(argv=None) -> PilotConfig:
     g.add_argument("--input", **C.arg("input"))
     g.add_argument("--split", **C.arg("split"))
     g.add_argument("--work-dir", **C.arg("work_dir"))
-    g.add_argument("--heldout", **C.arg("heldout"))
+    g.add_argument("--heldout-prompts", "--heldout", **C.arg("heldout_prompts"))  # --heldout: the older spelling
     g.add_argument("--tokenizer", **C.arg("tokenizer"))
     g.add_argument("--no-reasoning", action="store_true", **C.arg("no_reasoning"))
 
@@ -38,13 +39,14 @@ def parse_args(argv=None) -> PilotConfig:
     g.add_argument("--pilot-prompts", type=int, **C.arg("pilot_prompts"))
     g.add_argument("--budget", **C.arg("budget"))
     g.add_argument("--eval-prompts", type=int, **C.arg("eval_prompts"))
+    g.add_argument("--samples", type=int, **C.arg("samples"))
 
     g = p.add_argument_group("01b")
     g.add_argument("--base-url", **C.arg("base_url"))
     g.add_argument("--model", **C.arg("model"))
     g.add_argument("--max-tokens", type=int, **C.arg("max_tokens"))
     g.add_argument("--temperature", type=float, **C.arg("temperature"))
-    g.add_argument("--concurrency", type=int, **C.arg("concurrency"))
+    g.add_argument("--concurrency", **C.arg("concurrency"))
     g.add_argument("--timeout", type=float, **C.arg("timeout"))
 
     g = p.add_argument_group("launched servers")
@@ -63,7 +65,7 @@ def parse_args(argv=None) -> PilotConfig:
 
     g = p.add_argument_group("screen only")
     g.add_argument("--screen-only", metavar="DIR", **C.arg("screen_only"))
-    return C.from_args(p.parse_args(argv))
+    return C.from_args(p.parse_args(join_dash_values(sys.argv[1:] if argv is None else argv, ("--budget",))))
 
 
 def main(argv=None) -> int:

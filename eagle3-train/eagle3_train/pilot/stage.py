@@ -1,9 +1,11 @@
 """The pilot: every stage on a small slice of the real run, each as its own process, into
 <work-dir>/pilot, then one verdict table (pilot_report.json / .md).
 
-  (first)  --target and --input checked; 05's held-out prompts: --heldout, else the --eval-prompts
-           prompts of --input after the pilot's slice (prompts/heldout.jsonl)
-  01b      the first --pilot-prompts of --input answered by the target (your server, --base-url, or one
+  (first)  --target and --input checked; 05's held-out prompts, none of which 01b answers:
+           --heldout-prompts, else the heldout.jsonl beside a split's train.jsonl (01_split_prompts),
+           else --eval-prompts of the first --pilot-prompts + --eval-prompts of --input, held out by
+           01_split_prompts' rule (prompts/heldout.jsonl; the others are prompts/train.jsonl)
+  01b      --pilot-prompts prompts answered by the target (your server, --base-url, or one
            launched here for 01b only and stopped before 02, so 02's own server can have every GPU),
            tokenized
   screen   01b's answers screened for garbled output (common/screen.py): ok / warn / garbled
@@ -20,9 +22,11 @@ say garbled, else 1 (the table says which).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_train.common.config import EVALUATE, EXTRACT, GENERATE, TOKENIZE, TRAIN, VOCAB
@@ -30,11 +34,13 @@ from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.manifest import MANIFEST
 from eagle3_train.common.prompts import load_prompts
 from eagle3_train.common.screen import GARBLED, OK, WARN, format_screen, screen_answers
+from eagle3_train.common.split import pick_heldout
 from eagle3_train.common.store import DirLock, atomic_write_json, atomic_write_text, read_jsonl
 from eagle3_train.common.target import local_model_dir
-from eagle3_train.generate.config import RAW
+from eagle3_train.common.layout import RAW
 from eagle3_train.pilot.config import DEFAULT_MODEL_LEN
 from eagle3_train.pilot.driver import DONE, FAILED, NOT_RUN, SKIPPED, Driver, Output, Step
+from eagle3_train.split_prompts.stage import write_texts
 
 REPORT = "pilot_report"  # .json and .md under <work-dir>/pilot
 SCREEN = "screen.json"
@@ -97,17 +103,50 @@ def model_len(cfg) -> int:
     return min(DEFAULT_MODEL_LEN, ctx) if isinstance(ctx, int) else DEFAULT_MODEL_LEN
 
 
-def write_heldout(cfg, path: Path) -> None:
-    """The --eval-prompts prompts of --input after the pilot's slice, as 05's --prompts (JSONL)."""
-    ps = load_prompts(cfg.input, split=cfg.split, limit=cfg.pilot_prompts + cfg.eval_prompts)  # as 01b --limit
-    rest = ps.prompts[cfg.pilot_prompts:]
-    if not rest:
+@dataclass
+class PilotPrompts:
+    input: str             # 01b's --input (it takes --pilot-prompts of it)
+    heldout: Path          # 05's --prompts
+    texts: dict[str, str]  # files the pilot writes into its prompts/ (after the preflight)
+    sha256: str | None     # of 01b's input file when the pilot writes it (what 01b's manifest must record)
+
+
+def pilot_prompts(cfg, directory: Path) -> PilotPrompts:
+    """What 01b answers and 05's held-out prompts, disjoint by id:
+      --heldout-prompts FILE         --input as given; FILE, refused if 01b would answer one of its ids
+      --input a split's train.jsonl  that split's heldout.jsonl (01_split_prompts)
+      else                           the first --pilot-prompts + --eval-prompts of --input, split by
+                                     01_split_prompts' rule into <directory>/train.jsonl (01b's
+                                     input) and <directory>/heldout.jsonl (--eval-prompts of them)
+    Reads only; the files are written by the caller."""
+    from eagle3_train.split_prompts.config import HELDOUT_FILE, TRAIN_FILE
+    from eagle3_train.split_prompts.stage import split_manifest, split_texts
+
+    inp = _as_given(cfg.input)
+    if cfg.heldout_prompts:
+        heldout = _as_given(cfg.heldout_prompts)
+        held = set(load_prompts(heldout, flag="--heldout-prompts").ids)
+        answered = load_prompts(inp, split=cfg.split, limit=cfg.pilot_prompts).ids  # as 01b --limit takes them
+        seen = [i for i in answered if i in held]
+        if seen:
+            raise PipelineError(f"{len(seen)} of {len(held)} --heldout-prompts ids are among the {len(answered)} "
+                                f"prompts of --input that 01b answers (e.g. {', '.join(repr(i) for i in seen[:2])}): "
+                                "pass a split's train.jsonl as --input and its heldout.jsonl (01_split_prompts.py)")
+        return PilotPrompts(inp, Path(heldout), {}, None)
+    if Path(inp).name == TRAIN_FILE and split_manifest(Path(inp)) is not None:
+        heldout = Path(inp).parent / HELDOUT_FILE
+        if not heldout.is_file():
+            raise PipelineError(f"--input {inp} is a split's {TRAIN_FILE}, but its {HELDOUT_FILE} is not there: "
+                                "rerun 01_split_prompts.py, or pass --heldout-prompts")
+        return PilotPrompts(inp, heldout, {}, None)
+    ps = load_prompts(inp, split=cfg.split, limit=cfg.pilot_prompts + cfg.eval_prompts)
+    spare = len(ps.prompts) - cfg.pilot_prompts
+    if spare < 1:
         raise PipelineError(f"--input {cfg.input} has only {len(ps.prompts)} prompts, none left after the "
-                            f"pilot's {cfg.pilot_prompts} for 05: pass --heldout or a smaller --pilot-prompts")
-    text = "".join(json.dumps({"id": p.id, "messages": p.messages}, ensure_ascii=False) + "\n" for p in rest)
-    if not path.exists() or path.read_text() != text:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, text)
+                            f"pilot's {cfg.pilot_prompts} for 05: pass --heldout-prompts or a smaller --pilot-prompts")
+    texts = split_texts(ps.prompts, pick_heldout(ps.ids, min(cfg.eval_prompts, spare)))
+    return PilotPrompts(str(Path(directory) / TRAIN_FILE), Path(directory) / HELDOUT_FILE, texts,
+                        hashlib.sha256(texts[TRAIN_FILE].encode()).hexdigest())
 
 
 def run(cfg) -> int:
@@ -124,9 +163,12 @@ def _run(cfg, out: Path) -> int:
     extra = cfg.stage_args
     d = {k: out / k for k in ("prompts", "01b", "02", "03", "04", "05")}
     tokenized = d["01b"] / "tokenized"
-    target, inp = _as_given(cfg.target), _as_given(cfg.input)
+    target = _as_given(cfg.target)
     tok = _as_given(cfg.tokenizer) if cfg.tokenizer else target
-    heldout = _as_given(cfg.heldout) if cfg.heldout else d["prompts"] / "heldout.jsonl"
+    local_model_dir(cfg.target, what="--target")
+    # 01b's prompts and 05's, disjoint by id; a bad --input is refused here, before any stage
+    chosen = pilot_prompts(cfg, d["prompts"])
+    inp, heldout = chosen.input, chosen.heldout
     parser = None if cfg.reasoning_parser == "none" else cfg.reasoning_parser
     tp = ["--tensor-parallel-size", str(cfg.tensor_parallel_size)] if cfg.tensor_parallel_size > 1 else []
     serve = (["=".join(tp)] if tp else []) + list(cfg.server_arg)  # every server the pilot or 05 launches
@@ -180,9 +222,11 @@ def _run(cfg, out: Path) -> int:
 
     made_for = {"config.target": target}
     steps = [
-        Step("01b_generate_synthetic", f"the first {cfg.pilot_prompts} prompts answered by the target "
+        Step("01b_generate_synthetic", f"{cfg.pilot_prompts} prompts answered by the target "
              + (f"at {cfg.base_url}" if cfg.base_url else "(a vLLM launched for 01b)") + ", tokenized", gen,
              (Output(d["01b"], GENERATE, {"config.input": inp, "config.limit": cfg.pilot_prompts,
+                                          # the pilot's own train.jsonl: the same path whatever --input was
+                                          **({"inputs.prompts.sha256": chosen.sha256} if chosen.sha256 else {}),
                                           "config.max_tokens": cfg.max_tokens, "config.temperature": cfg.temperature,
                                           "config.tokenizer": tok}),
               Output(tokenized, TOKENIZE, {"tokenizer.name_or_path": tok}))),
@@ -208,11 +252,7 @@ def _run(cfg, out: Path) -> int:
     ]
     # Bad inputs and another run's outputs are refused before anything runs (one error line, exit 2).
     drv.preflight(steps)
-    local_model_dir(cfg.target, what="--target")
-    if cfg.heldout:
-        load_prompts(heldout, limit=1, flag="--heldout")
-    else:
-        write_heldout(cfg, heldout)
+    write_texts(d["prompts"], chosen.texts)
     n = len(steps) + 1
     failed = None
     for i, step in enumerate(steps, 1):
@@ -226,11 +266,31 @@ def _run(cfg, out: Path) -> int:
         screen = json.loads((out / SCREEN).read_text())  # a failure before the screen ran this time
     drv.banner(n, n, "report", f"{out / (REPORT + '.md')}")
     report = build_report(cfg, out, drv, [s.key for s in steps], screen, failed)
+    report["full_run_01b"] = measure_01b(cfg, out)
     drv.save(**report)
     md = format_report(report)
     atomic_write_text(out / f"{REPORT}.md", md)
     print(md, flush=True)
     return 0 if report["verdict"] in (OK, WARN) else 1
+
+
+def measure_01b(cfg, out: Path) -> dict | None:
+    """01b's measured rates and lengths -> <out>/gen_rates.json (00_plan reads it), and the full run's
+    01b planned from them; None before 01b finished, {"error": why} where they cannot be measured."""
+    from eagle3_train.pilot import rates
+
+    raw_dir = out / "01b"
+    if not (raw_dir / MANIFEST).exists():
+        return None
+    try:
+        measured = rates.gen_rates(raw_dir, rates.read_01b(raw_dir), cfg.server_arg)
+        atomic_write_json(out / rates.GEN_RATES, measured)
+        samples = cfg.samples or len(load_prompts(cfg.input, split=cfg.split).prompts)
+        return {"gen_rates": str(out / rates.GEN_RATES), "samples_from": "--samples" if cfg.samples else
+                "the prompts of --input", **rates.full_run(cfg.target, measured, samples, cfg.tensor_parallel_size,
+                                                           cfg.max_tokens)}
+    except PipelineError as e:
+        return {"error": str(e)}
 
 
 def _acceptance(out: Path) -> dict:
@@ -294,6 +354,17 @@ def format_report(rep: dict) -> str:
     lines += [f"- {r}" for r in rep["reasons"]]
     if rep["screen"]:
         lines += ["", "```", format_screen(rep["screen"]), "```"]
+    full = rep.get("full_run_01b")
+    if full and full.get("error"):
+        lines += ["", f"01b's rates were not measured: {full['error']}"]
+    elif full:
+        lines += ["", f"## 01b of the full run, from the pilot's measured rates ({full['gen_rates']})", "",
+                  f"{full['samples']:,} prompts ({full['samples_from']}): 01b {full['hours']:,.1f} h at "
+                  f"{full['tok_s']:,.0f} tok/s, --concurrency auto ~{full['concurrency']}." if full["hours"] is not None
+                  else f"{full['samples']:,} prompts ({full['samples_from']}): 01b never finishes (see below).",
+                  "", f"tok/s: {full['rate_source']}", "", "```", *full["lines"], "```", "",
+                  "The whole run's plan from the same figures: `00_plan.py --target ... --samples N --work-dir W` "
+                  "(it reads pilot/gen_rates.json)."]
     if rep["verdict"] in (OK, WARN):
         lines += ["", "The pilot's draft trained for a few steps only: its acceptance length shows that the "
                   "chain works, not what the full run reaches. Next: the full run (README, 'Running it for real')."]

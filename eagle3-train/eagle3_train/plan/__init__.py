@@ -3,6 +3,7 @@
   config.py   PlanConfig
   cli.py      the command line (00_plan.py)
   planner.py  run(); plan / table; 02's and 04's --dry-run
+  gen.py      01b's model: answer lengths, the level --concurrency auto reaches, tok/s against it
 """
 
 

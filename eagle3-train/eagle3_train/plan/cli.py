@@ -1,11 +1,12 @@
 """00: plan a run before anything runs: per stage the disk, the per-GPU memory (04 at its batch,
 02's top-k head, 05's offline head), the tokens and the hours from tok/s rates (measured where
-marked, else assumed; --rate-02 etc. override), and 01b's concurrency that keeps answers resident
-in the servers' KV cache. Writes nothing.
+marked, else assumed; --rate-02 etc. override), and 01b's model: the answers its servers' KV cache
+holds, the level --concurrency auto reaches and its tok/s (the pilot's measured gen_rates.json in
+place of the assumptions: --measured or --work-dir). Writes nothing.
 
-    python eagle3-train/00_plan.py --target docs/kimi-k2.5-text-config.json --samples 100000 \\
+    uv run eagle3-train/00_plan.py --target docs/kimi-k2.5-text-config.json --samples 100000 \\
         --tokens-per-sample 10000 --gpus 8 --gpu-memory-gb 96 --weights-gb 554
-    python eagle3-train/00_plan.py --target MODEL_DIR --data work/tokenized --storage fp8-topk --json
+    uv run eagle3-train/00_plan.py --target MODEL_DIR --data work/tokenized --storage fp8-topk --json
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 
 from eagle3_train.common.errors import run_main
 from eagle3_train.common.formats import ATTNS, DRAFT_ARCHS, STORAGES
-from eagle3_train.plan.config import RATED_STAGES, PlanConfig
+from eagle3_train.plan.config import KV_DTYPES, RATED_STAGES, PlanConfig
 
 
 def parse_args(argv=None) -> PlanConfig:
@@ -26,6 +27,7 @@ def parse_args(argv=None) -> PlanConfig:
     io.add_argument("--data", **C.arg("data"))
     io.add_argument("--samples", type=int, **C.arg("samples"))
     io.add_argument("--tokens-per-sample", type=float, **C.arg("tokens_per_sample"))
+    io.add_argument("--work-dir", **C.arg("work_dir"))
     io.add_argument("--json", action="store_true", **C.arg("json"))
 
     st = p.add_argument_group("the stages' settings")
@@ -51,6 +53,9 @@ def parse_args(argv=None) -> PlanConfig:
     hw.add_argument("--gpu-memory-utilization", type=float, **C.arg("gpu_memory_utilization"))
     hw.add_argument("--weights-gb", type=float, **C.arg("weights_gb"))
     hw.add_argument("--gen-servers", type=int, **C.arg("gen_servers"))
+    hw.add_argument("--kv-cache-dtype", choices=KV_DTYPES, **C.arg("kv_cache_dtype"))
+    hw.add_argument("--decode-context-parallel-size", type=int, **C.arg("decode_context_parallel_size"))
+    hw.add_argument("--measured", **C.arg("measured"))
     for stage in RATED_STAGES:
         hw.add_argument(f"--rate-{stage}", type=float, **C.arg(f"rate_{stage}"))
     return C.from_args(p.parse_args(argv))

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.hidden_store import bytes_per_token
-from eagle3_train.common.server_metrics import fitting_concurrency
 from eagle3_train.common.target import MLA_DIMS, has_mla, looks_like_hub_id
+from eagle3_train.plan import gen as G
 from eagle3_train.plan.draft import (  # noqa: F401 -- the planner's 04 figures, named here as before
     blocks, checkpoint_bytes, draft_params, export_bytes, is_mla, kind, layer_params, train_memory)
+from eagle3_train.plan.config import gpu_memory_gb
 from eagle3_train.train.budget import auto_epochs
 
 GB = 1e9
@@ -25,12 +26,12 @@ SHARD_HEADER = 4096  # safetensors header + the shard's JSON description, fixed 
 SAMPLE_META = 48  # per sample in a shard's description: its id, offset and length
 RAW_BYTES_PER_TOKEN = 4.5  # 01b JSONL: text of a BPE token (~4 chars) plus JSON escaping (assumed)
 
-# 01b: one vLLM server (tensor parallel over its GPUs) decodes b answers at once at
-# b / (1/GEN_SEQ_TOK_S + b/GEN_MAX_TOK_S) tok/s: each step costs a fixed part (reading the weights,
-# the TP all-reduces) and a part per answer, so one answer alone gets ~GEN_SEQ_TOK_S and a large
-# batch approaches GEN_MAX_TOK_S (~1,000 tok/s at 64, the figure the planner used to assume per server).
-GEN_SEQ_TOK_S = 30.0  # assumed: one answer of a 1T MoE (Kimi-K2.5 INT4) at TP 8 over PCIe, no NVLink
-GEN_MAX_TOK_S = 2000.0  # assumed: that server's ceiling at large batches
+# 01b: one vLLM server (tensor parallel over its GPUs) per --gen-servers; its tok/s against the
+# answers in flight and the level --concurrency auto reaches are plan/gen.py's model.
+# The capturing server runs PIECEWISE CUDA graphs (the hidden-state layer's attention builder declares
+# no full-graph support), where a plain vLLM 0.32 server captures full decode graphs: its decode steps
+# are assumed this much slower (not measured; the pilot's 01b rates replace the whole curve).
+CAPTURE_PIECEWISE_COST = 1.15
 GEN_BATCH = 64  # assumed answers in flight when the KV cache is unknown (no --weights-gb)
 ACTIVATION_RESERVE_GB = 2.0  # per GPU, what vLLM keeps beside weights and KV cache (activations, graphs; assumed)
 
@@ -101,7 +102,13 @@ class Flags:
     gpu_memory_utilization: float = 0.9  # vLLM's --gpu-memory-utilization (its default)
     weights_gb: float | None = None  # the target's weight files; None: unknown, so is the KV cache
     activation_reserve_gb: float = ACTIVATION_RESERVE_GB
-    kv_dtype_bytes: int = 2  # vLLM's KV cache in the model's bf16 (--kv-cache-dtype auto)
+    kv_dtype_bytes: int = 2  # the model's bf16: vLLM's KV cache with --kv-cache-dtype auto, the hidden states
+    kv_cache_dtype: str = "auto"  # 01b's servers' --kv-cache-dtype: auto (the model's) or fp8 (1 B an element)
+    dcp: int = 1  # 01b's servers' --decode-context-parallel-size: each rank keeps 1/dcp of every answer's cache
+    answers: dict | None = None  # the answers' length stats (gen.length_stats); None: gen.assumed_answers
+    gen_points: list | None = None  # measured (answers in flight, tok/s) of one server; None: gen.BOX_CURVE
+    gen_points_source: str | None = None  # where gen_points come from
+    cache_tokens: int | None = None  # one server's KV cache in tokens as measured (01b's /metrics); None: computed
 
 
 def tokens(f: Flags) -> int:
@@ -158,62 +165,140 @@ def gen_gpus(f: Flags) -> int:
 def kv_bytes_per_token(shape: Shape, f: Flags) -> int:
     """KV cache bytes one token takes on each GPU of a server. MLA (DeepSeek-V3, Kimi) caches one
     latent per layer, kv_lora_rank + the rope key, and vLLM keeps it whole on every tensor-parallel
-    rank; GQA caches K and V of its kv heads, split over the ranks (each holds at least one head)."""
+    rank; GQA caches K and V of its kv heads, split over the ranks (each holds at least one head).
+    --kv-cache-dtype fp8 keeps 1 byte an element. (--decode-context-parallel-size spreads the tokens
+    over the ranks instead: serving.)"""
     if shape.mla:
         width = shape.mla["kv_lora_rank"] + shape.mla["qk_rope_head_dim"]
     else:
         width = 2 * math.ceil(shape.kv_heads / gen_gpus(f)) * shape.head_dim
-    return width * shape.layers * f.kv_dtype_bytes
+    return width * shape.layers * (1 if f.kv_cache_dtype == "fp8" else f.kv_dtype_bytes)
 
 
 def hidden_cache_bytes_per_token(shape: Shape, f: Flags) -> int:
     """01b --capture-hidden-states: vLLM's hidden-state cache (extract_hidden_states' cache-only
     layer, HiddenStateCacheSpec: n_aux + 1 states of `hidden` in the model's dtype a token, not
-    split over the tensor-parallel ranks), allocated beside the KV cache for prompt + answer."""
+    split over the tensor-parallel ranks), allocated beside the KV cache for prompt + answer
+    (assumed in the model's dtype with an fp8 KV cache too: fp8 states would not train a draft)."""
     return (f.n_aux + 1) * shape.hidden * f.kv_dtype_bytes
+
+
+def answer_dist(f: Flags) -> dict:
+    """The answers' length stats: measured (f.answers), else the assumed reasoning distribution whose
+    mean is a sample's tokens less its prompt."""
+    return f.answers or G.assumed_answers(max(1.0, f.tokens_per_sample - f.gen_prompt_tokens), f.gen_max_tokens)
+
+
+def gen_tokens(f: Flags) -> int:
+    """The tokens 01b generates: every sample's answer (its prompt is prefilled, not decoded)."""
+    return int(round(f.samples * answer_dist(f)["mean"]))
 
 
 def serving(shape: Shape, f: Flags, capture: bool = False) -> dict:
     """01b's servers: per GPU, vLLM's share of the memory (--gpu-memory-utilization) less the
-    weights' share and ACTIVATION_RESERVE_GB is KV cache; the tokens it holds, and how many answers
-    of gen_prompt_tokens + gen_max_tokens stay resident at once (more are preempted and recomputed).
-    Without the weights' size the cache is unknown and GEN_BATCH is assumed. `capture`: the server
-    01b --capture-hidden-states needs, whose tokens also hold their hidden states (one cache group
-    with MLA, so both caches take the same blocks) and whose decode steps run 2 tokens an answer
-    (the method's dummy draft)."""
+    weights' share and ACTIVATION_RESERVE_GB is KV cache (x --decode-context-parallel-size: each
+    rank keeps 1/dcp of every answer's tokens); the tokens a server holds (or as measured: f.cache_tokens),
+    and the answers in flight (gen.auto_level): `worst_case` keeps every answer of gen_prompt_tokens +
+    gen_max_tokens resident, `concurrency` (what --concurrency auto reaches, the rate's `batch`) fills
+    the cache with their typical residency. Without the weights' size the cache is unknown and
+    GEN_BATCH is assumed. `capture`: the server 01b --capture-hidden-states needs, whose tokens also
+    hold their hidden states (one cache group with MLA, so both caches take the same blocks), whose
+    decode steps run 2 tokens an answer (the method's dummy draft) and which cannot use decode context
+    parallel (a speculative method)."""
+    answers = answer_dist(f)
+    dcp = 1 if capture else f.dcp
     out = {"servers": f.gen_servers, "gpus_per_server": gen_gpus(f), "kv_bytes_per_token": kv_bytes_per_token(shape, f),
-           "request_tokens": f.gen_prompt_tokens + f.gen_max_tokens}
+           "kv_cache_dtype": f.kv_cache_dtype, "dcp": dcp, "request_tokens": f.gen_prompt_tokens + f.gen_max_tokens,
+           "typical_tokens": round(f.gen_prompt_tokens + answers["resident"])}
     per_token = out["kv_bytes_per_token"]
     if capture:
         out |= {"hidden_bytes_per_token": hidden_cache_bytes_per_token(shape, f), "tokens_per_step": 2}
         per_token += out["hidden_bytes_per_token"]
-    if f.weights_gb is None:  # the same cache holds fewer answers when each token takes more
+    if f.cache_tokens:  # measured: the server's KV cache as 01b read it; states take their share of it
+        resident = int(f.cache_tokens * out["kv_bytes_per_token"] // per_token) * dcp // f.dcp
+        out["measured_cache"] = True
+    elif f.weights_gb is None:  # the same cache holds fewer answers when each token takes more
         return out | {"batch": GEN_BATCH * out["kv_bytes_per_token"] // per_token}
-    weights = f.weights_gb * GB / out["gpus_per_server"]
-    kv = max(0.0, f.gpu_memory_gb * GB * f.gpu_memory_utilization - weights - f.activation_reserve_gb * GB)
-    resident = int(kv // per_token)
-    fits = fitting_concurrency(resident, out["request_tokens"])
-    return out | {"weights_per_gpu": int(weights), "kv_cache_per_gpu": int(kv), "resident_tokens": resident,
-                  "concurrency": fits, "batch": fits}
+    else:
+        weights = f.weights_gb * GB / out["gpus_per_server"]
+        kv = max(0.0, f.gpu_memory_gb * GB * f.gpu_memory_utilization - weights - f.activation_reserve_gb * GB)
+        out |= {"weights_per_gpu": int(weights), "kv_cache_per_gpu": int(kv), "gpu_tokens": int(kv // per_token)}
+        resident = out["gpu_tokens"] * dcp
+    levels = G.auto_level(resident, f.gen_prompt_tokens, answers, f.gen_max_tokens)
+    return out | {"resident_tokens": resident, "worst_case": levels["worst"], "mean_level": levels["mean_level"],
+                  "fill_level": levels["fill"], "concurrency": levels["auto"], "batch": levels["auto"]}
 
 
-def gen_rate(serve: dict) -> tuple[float, str]:
-    """01b's tok/s over all servers and where it comes from (GEN_SEQ_TOK_S, GEN_MAX_TOK_S). A step
-    yields one token an answer; its per-answer part grows with the tokens each answer runs in it
-    (2 while capturing: assumed to cost as much as a second answer's token)."""
-    b, k = serve["batch"], serve.get("tokens_per_step", 1)
-    per = b / (1 / GEN_SEQ_TOK_S + k * b / GEN_MAX_TOK_S) if b else 0.0
+def server_tok_s(serve: dict, f: Flags, level: float) -> float:
+    """One server's tok/s at `level` answers in flight (gen.gen_tok_s at their typical context). A
+    step yields one token an answer; a step of k tokens an answer (capture: 2) is assumed to cost as
+    much as k times the answers' step."""
+    k = serve.get("tokens_per_step", 1)
+    return G.gen_tok_s(k * level, serve["typical_tokens"], f.gen_points) / k if level else 0.0
+
+
+def gen_rate(serve: dict, f: Flags) -> tuple[float, str]:
+    """01b's tok/s over all servers at the level serving() found, and where it comes from."""
+    b, k, n = serve["batch"], serve.get("tokens_per_step", 1), serve["servers"]
+    per = server_tok_s(serve, f, b)
+    at = (f"{b} answers in flight (--concurrency auto" + (f", {b * n} in all" if n > 1 else "") + ")"
+          if "concurrency" in serve else f"{b} answers in flight (KV cache unknown: pass --weights-gb)")
+    src = f.gen_points_source or G.curve_source(f.gen_points, "01b")
+    return n * per, (f"{n} server{'s' if n > 1 else ''} x {per:,.0f} tok/s at {at}"
+                     + (f", {k} tokens a step" if k > 1 else "") + f"; {src}")
+
+
+def fixed_levels(serve: dict, f: Flags, n_tokens: int) -> list[dict]:
+    """Hours at the fixed --concurrency a user might pick (gen.FIXED_LEVELS and the worst case): the
+    servers share the level; above what the cache holds (typical residencies filling it) vLLM
+    preempts and recomputes, so the rate is that level's at best."""
     n = serve["servers"]
-    at = (f"{b} answers resident (--concurrency {b * n})" if "concurrency" in serve
-          else f"{b} answers in flight (KV cache unknown: pass --weights-gb)")
-    return n * per, (f"assumed: {n} server{'s' if n > 1 else ''} x {per:,.0f} tok/s at {at}, "
-                     f"~{GEN_SEQ_TOK_S:.0f} tok/s for one answer" + (f", {k} tokens a step" if k > 1 else ""))
+    levels = set(G.FIXED_LEVELS) | ({serve["worst_case"] * n} if serve.get("worst_case") else set())
+    rows = []
+    for total in sorted(levels):
+        share = math.ceil(total / n)
+        over = "fill_level" in serve and share > serve["fill_level"]
+        rate = n * server_tok_s(serve, f, serve["fill_level"] if over else share)
+        h = hours(n_tokens, rate)
+        rows.append({"concurrency": total, "tok_s": round(rate, 1), "hours": None if h is None else round(h, 2),
+                     "over_cache": over})
+    return rows
+
+
+def with_measured(f: Flags, serve: dict) -> Flags:
+    """A given --rate-01b is a measured point at the level serving() found: the curve scales to it."""
+    given = (f.rates or {}).get("01b")
+    if not given or f.gen_points or not serve["batch"]:
+        return f
+    return replace(f, gen_points=[(serve["batch"], given / serve["servers"])], gen_points_source="given --rate-01b")
+
+
+def options(shape: Shape, f: Flags) -> list[dict]:
+    """01b's auto level and hours with the cache options the plan does not use (fp8 KV, decode
+    context parallel over the server's GPUs, both), for the line that offers them."""
+    out = []
+    for dtype, dcp in (("fp8", f.dcp), ("auto" if f.kv_cache_dtype == "auto" else "fp8", gen_gpus(f)),
+                       ("fp8", gen_gpus(f))):
+        if (dtype, dcp) == (f.kv_cache_dtype, f.dcp) or any(o["kv_cache_dtype"] == dtype and o["dcp"] == dcp
+                                                            for o in out):
+            continue
+        g = replace(f, kv_cache_dtype=dtype, dcp=dcp, cache_tokens=None)
+        s = serving(shape, g)
+        if "concurrency" not in s:
+            continue
+        rate = gen_rate(s, g)[0]
+        h = hours(gen_tokens(g), rate)
+        out.append({"kv_cache_dtype": dtype, "dcp": dcp, "resident_tokens": s["resident_tokens"],
+                    "concurrency": s["concurrency"] * s["servers"], "tok_s": round(rate, 1),
+                    "hours": None if h is None else round(h, 2)})
+    return out
 
 
 def plan(shape: Shape, f: Flags) -> dict:
     """Per stage: disk written, per-GPU memory, tokens and hours, with each rate's source."""
     serve = serving(shape, f)
-    rates = RATES | {"01b": gen_rate(serve)} | {k: (float(r), "given") for k, r in (f.rates or {}).items() if r}
+    f = with_measured(f, serve)
+    rates = RATES | {"01b": gen_rate(serve, f)} | {k: (float(r), "given") for k, r in (f.rates or {}).items() if r}
     n = tokens(f)
     mem = train_memory(shape, f)
     topk_head = head_bytes(shape, f.head_chunk) if f.storage == "fp8-topk" else 0
@@ -223,10 +308,14 @@ def plan(shape: Shape, f: Flags) -> dict:
         h = hours(count, r)
         return {"tokens": count, "rate_tok_s": r, "rate_source": src, "hours": None if h is None else round(h, 2)}
 
-    gen = {"disk": raw_jsonl_bytes(f), **timed("01b", n), "serving": serve}
+    gen = {"disk": raw_jsonl_bytes(f), **timed("01b", gen_tokens(f)), "serving": serve, "answers": answer_dist(f),
+           "fixed": fixed_levels(serve, f, gen_tokens(f)),
+           "options": options(shape, f) if f.cache_tokens is None and "weights_per_gpu" in serve else []}
     if "weights_per_gpu" in serve:  # what vLLM needs before any KV cache; it fits when one answer does
         gen |= {"gpu_memory": serve["weights_per_gpu"] + int(f.activation_reserve_gb * GB),
                 "fits": serve["concurrency"] >= 1}
+    elif "concurrency" in serve:
+        gen["fits"] = serve["concurrency"] >= 1
     stages = {
         "01b": gen,
         "01c": {"disk": tokenized_jsonl_bytes(f, shape.vocab), "tokens": n},
@@ -250,23 +339,28 @@ def plan(shape: Shape, f: Flags) -> dict:
             "capture": capture_path(shape, f, stages)}
 
 
+def pinned_buffer_bytes(request_bytes: int) -> int:
+    """The connector's host copy of one request's states: rank 0 gathers them from every rank into
+    a pinned buffer rounded up to a power of two, cached while the request is in flight."""
+    return 1 << max(0, int(request_bytes) - 1).bit_length()
+
+
 def capture_path(shape: Shape, f: Flags, stages: dict) -> dict:
     """The other way to 02's store: 01b --capture-hidden-states, which keeps the states vLLM computes
     while generating (serving(capture=True): fewer answers resident, 2 tokens a step) and needs no 02;
     against the two passes, 01b then 02 (a second prefill of every answer). Disk: the same answers and
     store, plus the connector's per-request files of the answers in flight (deleted once repacked)."""
     serve = serving(shape, f, capture=True)
-    rate, src = gen_rate(serve)
-    given = (f.rates or {}).get("01b")
-    if given:  # a measured plain rate: scaled by this model's capture / plain ratio
-        ratio = rate / gen_rate(serving(shape, f))[0] if rate else 0.0
-        rate, src = given * ratio, f"given --rate-01b x {ratio:.3f} (the model's capture / plain rate)"
-    h = hours(tokens(f), rate)
+    rate, src = gen_rate(serve, with_measured(f, serving(shape, f)))  # a given plain rate scales the curve
+    rate /= CAPTURE_PIECEWISE_COST
+    src += f"; / {CAPTURE_PIECEWISE_COST} for PIECEWISE CUDA graphs (assumed; the pilot measures it)"
+    h = hours(gen_tokens(f), rate)
     gen, ex = stages["01b"], stages["02"]
     in_flight = serve.get("concurrency", serve["batch"]) * serve["servers"]
-    row = {"disk": gen["disk"] + ex["disk"], "scratch_disk": in_flight * serve["request_tokens"]
-           * serve["hidden_bytes_per_token"], "tokens": tokens(f), "rate_tok_s": rate, "rate_source": src,
-           "hours": None if h is None else round(h, 2), "serving": serve}
+    request_states = serve["request_tokens"] * serve["hidden_bytes_per_token"]
+    row = {"disk": gen["disk"] + ex["disk"], "scratch_disk": in_flight * request_states,
+           "host_memory": in_flight * pinned_buffer_bytes(request_states), "tokens": gen_tokens(f), "rate_tok_s": rate,
+           "rate_source": src, "hours": None if h is None else round(h, 2), "serving": serve}
     if "fits" in gen:
         row["fits"] = serve["concurrency"] >= 1
     two = None if gen["hours"] is None or ex["hours"] is None else round(gen["hours"] + ex["hours"], 2)
@@ -291,7 +385,7 @@ def table(p: dict) -> str:
         rows.append(f"{name:<6}{gb(s.get('disk')):>12}{gb(s.get('gpu_memory')):>12}{s.get('tokens', 0):>16,}"
                     f"{s.get('rate_tok_s', 0):>10,.0f}{'never' if h is None else f'{h:.1f}':>9}  "
                     f"{s.get('rate_source', '')}")
-    rows += gen_lines(p["stages"]["01b"]["serving"], p["flags"])
+    rows += gen_lines(p["stages"]["01b"], p["flags"])
     rows += capture_lines(p, gb)
     m = p["stages"]["04"]["memory_parts"]
     s4 = p["stages"]["04"]
@@ -305,25 +399,68 @@ def table(p: dict) -> str:
     return "\n".join(rows)
 
 
-def gen_lines(serve: dict, flags: dict) -> list[str]:
-    """01b's servers under the table: the KV cache per GPU and the concurrency that keeps answers resident."""
+FP8_COST = ("--kv-cache-dtype fp8 changes the target's numerics (its KV cache rounded to fp8): generate, extract "
+            "and evaluate with the KV dtype you will serve with")
+DCP_COST = ("--decode-context-parallel-size does not combine with speculative decoding on TRITON_MLA (vLLM 0.32): "
+            "for 01b's and 02's servers, never 05's, nor 01b --capture-hidden-states; each step gathers the "
+            "ranks' attention (tok/s per level assumed unchanged: the pilot measures it)")
+
+
+def _h(x) -> str:
+    return "never" if x is None else f"{x:,.1f} h"
+
+
+def gen_lines(gen: dict, flags: dict) -> list[str]:
+    """01b's servers under the table: the KV cache, the answers' lengths, the level --concurrency auto
+    should reach and its tok/s, the hours at fixed levels, the cache options and their costs."""
+    serve, a = gen["serving"], gen["answers"]
     n, tp = serve["servers"], serve["gpus_per_server"]
+    dtype = "fp8" if serve["kv_cache_dtype"] == "fp8" else f"{flags['kv_dtype_bytes']} B, the model's dtype"
     head = (f"01b {n} vLLM server{'s' if n > 1 else ''}, {tp} GPU{'s' if tp > 1 else ''} each (TP {tp}), "
-            f"{serve['kv_bytes_per_token']:,} B of KV cache a token")
+            f"{serve['kv_bytes_per_token']:,} B of KV cache a token ({dtype})")
+    count = f"{a['count']:,} answers: " if a.get("count") else ""
+    answers = (f"01b answers: {count}mean {a['mean']:,.0f}, p50 {a['p50']:,}, p90 {a['p90']:,}, p99 {a['p99']:,}, "
+               f"max {a['max']:,} tokens ({a['source']}); one in flight holds {serve['typical_tokens']:,} tokens "
+               f"on average ({flags['gen_prompt_tokens']:,} prompt + E[a^2]/2E[a] {a['resident']:,.0f})")
     if "concurrency" not in serve:
         return [f"{head}; its size is unknown (no weight files here): pass --weights-gb (Kimi-K2.5 INT4: ~554) "
-                "for the concurrency that keeps answers resident"]
-    fits = serve["concurrency"]
-    per_gpu, util = flags["gpu_memory_gb"] * flags["gpu_memory_utilization"], flags["gpu_memory_utilization"]
-    cache = (f"01b per GPU: {per_gpu:,.1f} GB (--gpu-memory-utilization {util:g}) - weights "
-             f"{serve['weights_per_gpu'] / GB:,.1f} GB - reserve {flags['activation_reserve_gb']:g} GB (assumed) "
-             f"= KV cache {serve['kv_cache_per_gpu'] / GB:,.1f} GB = {serve['resident_tokens']:,} tokens")
-    if not fits:
-        return [head, cache, f"01b: not one answer of {serve['request_tokens']:,} tokens fits: fewer "
-                             "--gen-servers (more GPUs each), a lower --gen-max-tokens, or smaller weights"]
-    return [head, cache, f"01b recommended: --concurrency {fits * n} ({fits} per server: vllm serve --max-num-seqs "
-                         f"{fits}), answers of {flags['gen_prompt_tokens']:,} + {flags['gen_max_tokens']:,} tokens "
-                         "stay resident"]
+                "for the level --concurrency auto reaches", answers]
+    if serve.get("measured_cache"):
+        cache = f"01b KV cache {serve['resident_tokens']:,} tokens a server (measured: 01b's /metrics)"
+    else:
+        per_gpu, util = flags["gpu_memory_gb"] * flags["gpu_memory_utilization"], flags["gpu_memory_utilization"]
+        cache = (f"01b per GPU: {per_gpu:,.1f} GB (--gpu-memory-utilization {util:g}) - weights "
+                 f"{serve['weights_per_gpu'] / GB:,.1f} GB - reserve {flags['activation_reserve_gb']:g} GB (assumed) "
+                 f"= KV cache {serve['kv_cache_per_gpu'] / GB:,.1f} GB = {serve['gpu_tokens']:,} tokens"
+                 + (f" x --decode-context-parallel-size {serve['dcp']} = {serve['resident_tokens']:,} a server"
+                    if serve["dcp"] > 1 else ""))
+    rows = [head, cache, answers]
+    if not serve["concurrency"]:
+        return rows + [f"01b: not one answer of {serve['request_tokens']:,} tokens fits: fewer --gen-servers "
+                       "(more GPUs each), a lower --gen-max-tokens, --kv-cache-dtype fp8, or smaller weights"]
+    auto, worst = serve["concurrency"] * n, serve["worst_case"] * n
+    rows.append(f"01b --concurrency auto should reach ~{auto} ({serve['concurrency']} a server: the cache filled by "
+                f"answers' typical residency; worst case {worst}, every answer {flags['gen_prompt_tokens']:,} + "
+                f"{flags['gen_max_tokens']:,} tokens; mean-based {serve['mean_level'] * n}): "
+                f"{gen['rate_tok_s']:,.0f} tok/s, {_h(gen['hours'])}")
+    fixed = "; ".join(f"{r['concurrency']}: {r['tok_s']:,.0f} tok/s, {_h(r['hours'])}"
+                      + (" (over the cache: preempts)" if r["over_cache"] else "") for r in gen["fixed"])
+    rows.append(f"01b fixed --concurrency: {fixed}")
+    if gen.get("options"):
+        rows.append("01b other caches: " + "; ".join(
+            f"{_cache_flags(o)}: {o['resident_tokens']:,} tokens, auto ~{o['concurrency']}, {o['tok_s']:,.0f} tok/s, "
+            f"{_h(o['hours'])}" for o in gen["options"]))
+    used = [o for o in ("fp8", "dcp") if (o == "fp8" and serve["kv_cache_dtype"] == "fp8") or
+            (o == "dcp" and serve["dcp"] > 1)]
+    shown = {o["kv_cache_dtype"] for o in gen.get("options", [])} | {"dcp" for o in gen.get("options", [])
+                                                                     if o["dcp"] > 1}
+    costs = [FP8_COST if o == "fp8" else DCP_COST for o in ("fp8", "dcp") if o in used or o in shown]
+    return rows + [f"01b cost: {c}" for c in costs]
+
+
+def _cache_flags(o: dict) -> str:
+    return " ".join(filter(None, ["--kv-cache-dtype fp8" if o["kv_cache_dtype"] == "fp8" else "",
+                                  f"--decode-context-parallel-size {o['dcp']}" if o["dcp"] > 1 else ""]))
 
 
 def capture_lines(p: dict, gb) -> list[str]:
@@ -340,8 +477,8 @@ def capture_lines(p: dict, gb) -> list[str]:
              f"({n_aux + 1} layers x {H:,} x {dt} B)")
     if "concurrency" in serve:
         fits = serve["concurrency"]
-        cache += (f" = {serve['resident_tokens']:,} tokens per GPU: --concurrency {fits * serve['servers']} "
-                  f"(vllm serve --max-num-seqs {fits})" if fits else
+        cache += (f" = {serve['resident_tokens']:,} tokens a server: --concurrency auto ~{fits * serve['servers']} "
+                  f"(worst case {serve['worst_case'] * serve['servers']})" if fits else
                   f": not one answer of {serve['request_tokens']:,} tokens fits")
     else:
         cache += f": ~{serve['batch']} answers in flight (KV cache unknown: pass --weights-gb)"
@@ -349,7 +486,11 @@ def capture_lines(p: dict, gb) -> list[str]:
             f"{row['rate_tok_s']:,.0f} tok/s, {h(row['hours'])} ({row['rate_source']})",
             f"paths to 02's store: two-pass 01b + 02 = {h(s['01b']['hours'])} + {h(s['02']['hours'])} = "
             f"{h(two['hours'])}, disk {gb(two['disk'])}; capture {h(row['hours'])}, disk {gb(row['disk'])} "
-            f"+ up to {gb(row['scratch_disk'])} of per-request files in flight"]
+            f"+ up to {gb(row['scratch_disk'])} of per-request files in flight",
+            f"capture's host memory: up to {gb(row['host_memory'])} of pinned buffers on the node running rank 0 "
+            f"(one a request in flight, {gb(row['host_memory'] / max(1, serve.get('concurrency', serve['batch']) * serve['servers']))} "
+            "each: its states rounded up to a power of two), all gathered through GPU 0: lower --max-concurrency "
+            "if the host has less"]
     if c["cheaper"] is None:
         return rows + ["cheaper: neither path finishes (see 01b's servers above)"]
     name = {"capture": "capture (01b --capture-hidden-states)", "two_pass": "two-pass (01b, then 02)"}[c["cheaper"]]
@@ -446,33 +587,106 @@ def local_weights_gb(target: str) -> float | None:
     return weights_gb(target) or None
 
 
-def measure_data(directory: str) -> tuple[int, float, int]:
-    """(samples, mean tokens per sample, data.jsonl bytes) of a tokenized set, from its manifest."""
+LENGTH_SAMPLE = 5000  # answers read for the length distribution: the file's first (the counts cover all)
+
+
+def _stats_field(line: str) -> dict:
+    """A tokenized record's "stats" (its last field) without parsing its id lists."""
+    i = line.rfind('"stats"')
+    if i < 0:
+        return {}
+    value, _ = json.JSONDecoder().raw_decode(line, line.index(":", i) + 1 + (line[line.index(":", i) + 1] == " "))
+    return value if isinstance(value, dict) else {}
+
+
+def measure_data(directory: str) -> dict:
+    """A tokenized set's (01c) or an 01b output's counts: samples, mean tokens a sample, data.jsonl's
+    bytes (tokenized only), mean prompt, and the answers' length stats (gen.length_stats) from the
+    first LENGTH_SAMPLE records."""
     from eagle3_train.common.manifest import read_manifest
+    from eagle3_train.common.store import read_jsonl
+    from eagle3_train.common.layout import RAW
 
     d = Path(directory)
-    counts = (read_manifest(d) or {}).get("counts") or {}
-    if not counts.get("samples"):
-        raise PipelineError(f"--data {d}: no manifest with sample counts (a finished 01c output)")
-    return counts["samples"], counts["tokens"] / counts["samples"], (d / "data.jsonl").stat().st_size
+    manifest = read_manifest(d) if (d / "manifest.json").exists() else {}
+    counts = manifest.get("counts") or {}
+    lengths, prompts = [], []
+    if (d / RAW).exists():  # 01b: each answer's generated ids
+        answered = counts.get("answered")
+        if not answered:
+            raise PipelineError(f"--data {d}: no manifest with answer counts (a finished 01b output)")
+        for i, rec in enumerate(read_jsonl(d / RAW)):
+            if i >= LENGTH_SAMPLE:
+                break
+            lengths.append(len(rec.get("token_ids") or ()))
+            prompts.append(len(rec.get("prompt_token_ids") or ()))
+        total = (counts.get("prompt_tokens") or 0) + (counts.get("generated_tokens") or 0)
+        out = {"samples": answered, "tokens_per_sample": total / answered, "tokenized_bytes": None}
+    else:
+        if not counts.get("samples"):
+            raise PipelineError(f"--data {d}: no manifest with sample counts (a finished 01c or 01b output)")
+        with open(d / "data.jsonl") as fh:
+            for i, line in enumerate(fh):
+                if i >= LENGTH_SAMPLE:
+                    break
+                st = _stats_field(line)
+                if st.get("num_supervised") is not None:
+                    lengths.append(int(st["num_supervised"]))
+                    prompts.append(int(st.get("prompt_len") or 0))
+        out = {"samples": counts["samples"], "tokens_per_sample": counts["tokens"] / counts["samples"],
+               "tokenized_bytes": (d / "data.jsonl").stat().st_size}
+    shown = f"{len(lengths):,} of {out['samples']:,}" if out["samples"] > len(lengths) else f"{len(lengths):,}"
+    answers = G.length_stats(lengths, f"measured: --data {d}, {shown} answers")
+    return out | {"answers": answers, "prompt_tokens": round(sum(prompts) / len(prompts)) if prompts else None}
+
+
+def measured_file(cfg) -> Path | None:
+    """--measured, else <--work-dir>/pilot/gen_rates.json when the pilot left one."""
+    if cfg.measured:
+        return Path(cfg.measured)
+    if cfg.work_dir and (Path(cfg.work_dir) / "pilot" / "gen_rates.json").exists():
+        return Path(cfg.work_dir) / "pilot" / "gen_rates.json"
+    return None
+
+
+def flags_from(cfg) -> Flags:
+    """00_plan's Flags from its config: --data's counts and lengths, the measured file's rates,
+    lengths and cache (the measured file's lengths unless --data gives the run's own)."""
+    samples, per_sample, measured, answers, prompt = cfg.samples, cfg.tokens_per_sample, None, None, None
+    if cfg.data:
+        data = measure_data(cfg.data)
+        samples, per_sample, measured = data["samples"], data["tokens_per_sample"], data["tokenized_bytes"]
+        answers, prompt = data["answers"], data["prompt_tokens"]
+    points = cache = source = None
+    path = measured_file(cfg)
+    if path is not None:
+        m = G.read_measured(path)
+        points = [(p["level"], p["tok_s"]) for p in m["points"]] or None
+        source = G.curve_source(points, str(path)) if points else None
+        cache = m.get("cache_tokens") if cfg.kv_cache_dtype == m.get("kv_cache_dtype", "auto") and \
+            cfg.decode_context_parallel_size == m.get("dcp", 1) else None  # another cache: computed instead
+        if answers is None and m.get("answers"):
+            answers = m["answers"] | {"source": f"measured: {path}, {m['answers'].get('count') or '?'} answers"}
+            prompt = m.get("prompt_tokens")
+    return Flags(samples=samples, tokens_per_sample=per_sample, storage=cfg.storage, topk=cfg.topk,
+                 n_aux=cfg.n_aux, draft_vocab_size=cfg.draft_vocab_size,
+                 max_tokens_per_batch=cfg.max_tokens_per_batch, ttt_steps=cfg.ttt_steps, epochs=cfg.epochs,
+                 draft_arch=cfg.draft_arch, num_speculative_tokens=cfg.num_speculative_tokens,
+                 block_size=cfg.block_size, attn="flex" if cfg.attn in ("auto", "flex") else cfg.attn,
+                 train_embeddings=cfg.train_embeddings,
+                 train_lm_head=cfg.train_lm_head, gpus=cfg.gpus,
+                 gpu_memory_gb=gpu_memory_gb(cfg.gpu_memory_gb),
+                 tokenized_bytes=measured, rates=cfg.rates(), gen_servers=cfg.gen_servers,
+                 gen_prompt_tokens=prompt or cfg.gen_prompt_tokens, gen_max_tokens=cfg.gen_max_tokens,
+                 gpu_memory_utilization=cfg.gpu_memory_utilization,
+                 weights_gb=cfg.weights_gb if cfg.weights_gb is not None else local_weights_gb(cfg.target),
+                 kv_cache_dtype=cfg.kv_cache_dtype, dcp=cfg.decode_context_parallel_size, answers=answers,
+                 gen_points=points, gen_points_source=source, cache_tokens=cache)
 
 
 def run(cfg) -> int:
     """00_plan: print the plan of the run `cfg` (a plan.config.PlanConfig) describes."""
-    samples, per_sample, measured = cfg.samples, cfg.tokens_per_sample, None
-    if cfg.data:
-        samples, per_sample, measured = measure_data(cfg.data)
-    flags = Flags(samples=samples, tokens_per_sample=per_sample, storage=cfg.storage, topk=cfg.topk,
-                  n_aux=cfg.n_aux, draft_vocab_size=cfg.draft_vocab_size,
-                  max_tokens_per_batch=cfg.max_tokens_per_batch, ttt_steps=cfg.ttt_steps, epochs=cfg.epochs,
-                  draft_arch=cfg.draft_arch, num_speculative_tokens=cfg.num_speculative_tokens,
-                  block_size=cfg.block_size, attn="flex" if cfg.attn in ("auto", "flex") else cfg.attn,
-                  train_embeddings=cfg.train_embeddings,
-                  train_lm_head=cfg.train_lm_head, gpus=cfg.gpus, gpu_memory_gb=cfg.gpu_memory_gb,
-                  tokenized_bytes=measured, rates=cfg.rates(), gen_servers=cfg.gen_servers,
-                  gen_prompt_tokens=cfg.gen_prompt_tokens, gen_max_tokens=cfg.gen_max_tokens,
-                  gpu_memory_utilization=cfg.gpu_memory_utilization,
-                  weights_gb=cfg.weights_gb if cfg.weights_gb is not None else local_weights_gb(cfg.target))
-    result = plan(load_shape(cfg.target), flags)
+    shape = load_shape(cfg.target)  # a bad --target is the one line, before any note
+    result = plan(shape, flags_from(cfg))
     print(json.dumps(result, indent=1) if cfg.json else table(result))
     return 0

@@ -4,8 +4,8 @@ NCCL_P2P_DISABLE=1), the vLLM build, disk free under the work dir against the pl
 folder complete, the tokenizer's special ids. One line per check: ok / warn / fail / skipped and
 what to do; exit 1 on a fail, 2 on bad flags. Writes nothing unless --out.
 
-    python eagle3-train/00_preflight.py --model /models/Kimi-K2.5 --work-dir runs --plan plan.json --gpus 8
-    python eagle3-train/00_preflight.py --model MODEL_DIR --json --out runs/preflight.json
+    uv run eagle3-train/00_preflight.py --model /models/Kimi-K2.5 --work-dir runs --plan plan.json --gpus 8
+    uv run eagle3-train/00_preflight.py --model MODEL_DIR --json --out runs/preflight.json
 """
 
 from __future__ import annotations

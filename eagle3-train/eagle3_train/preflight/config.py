@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from eagle3_train.common.config import Settings, require, setting
@@ -46,3 +47,14 @@ class PreflightConfig(Settings):
         require(self.gpus is None or self.gpus >= 1, f"--gpus must be at least 1, not {self.gpus}")
         require(self.allreduce_procs is None or self.allreduce_procs >= 0,
                 f"--allreduce-procs must not be negative, not {self.allreduce_procs}")
+        # paths, before minutes of GPU checks: the disk checked must be a folder's, the report a file
+        from eagle3_train.preflight.files import existing_parent, plan_bytes
+
+        where = existing_parent(Path(self.work_dir))
+        require(where.is_dir(), f"--work-dir {self.work_dir}: {where} is a file, not a directory; pass the "
+                                "directory the run will write under")
+        require(self.out is None or not Path(self.out).is_dir(),
+                f"--out {self.out} is a directory; pass a file name for the JSON report, e.g. "
+                f"{self.out}/preflight.json")
+        if self.plan:
+            plan_bytes(self.plan)  # a missing or foreign --plan is one line now, not after the checks

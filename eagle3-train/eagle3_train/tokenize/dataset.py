@@ -15,7 +15,7 @@ from eagle3_train.common.config import GENERATE, TOKENIZE
 from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.manifest import read_manifest
 from eagle3_train.common.store import Line, jsonl_lines, parse_json_line, read_jsonl
-from eagle3_train.generate.config import RAW
+from eagle3_train.common.layout import RAW
 from eagle3_train.tokenize.report import Tally, report_lines, summary_by_kind
 
 STAGE = TOKENIZE
@@ -153,6 +153,22 @@ def check_raw_file(raw_path: Path, raw_manifest: dict, sha256: str) -> None:
                         f"after {writer} finished; rerun {writer} to repair it")
 
 
+def longest_prompt(raw_manifest: dict, raw_path: Path) -> int | None:
+    """Tokens of the longest prompt among the raw answers: 01b's manifest says it; an older one
+    does not, so the file is read for it (prompt ids only)."""
+    counts = raw_manifest.get("counts") or {}
+    if counts.get("longest_prompt_tokens") is not None:
+        return counts["longest_prompt_tokens"]
+    return max((len(r.get("prompt_token_ids") or ()) for r in read_jsonl(raw_path)), default=None)
+
+
+def server_context(raw_manifest: dict) -> int | None:
+    """The smallest max_model_len 01b's servers reported at its start (its KV-cache preflight), if any."""
+    endpoints = (((raw_manifest.get("this_run") or {}).get("server_cache") or {}).get("endpoints") or {})
+    lens = [e["max_model_len"] for e in endpoints.values() if isinstance(e, dict) and e.get("max_model_len")]
+    return min(lens) if lens else None
+
+
 def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str,
                        max_seq_len: int | None = None, loss_on: str = "final", keep_length: bool = True,
                        progress_every: float = 30.0, log=print) -> dict:
@@ -162,12 +178,14 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
     present; checked against path (b), the re-wrapped text). Mismatches are kept and reported;
     answers cut by max_tokens are kept unless keep_length=False; empty answers and samples left with
     no supervised token (e.g. a prompt longer than max_seq_len) are dropped. Everything is counted in
-    the manifest.
+    the manifest. max_seq_len None: tokenize/config.py:resolve_max_seq_len against 01b's manifest
+    (the longest prompt + its --max-tokens, ...), recorded resolved with where it came from.
     Rebuilt from scratch each time (temp file + rename), skipped when already up to date.
     """
     from eagle3_train.common.manifest import MANIFEST, describe_file, describe_tokenizer, write_manifest
     from eagle3_train.common.progress import Progress
     from eagle3_train.common.store import TMP_PREFIX, DirLock, JsonlWriter, clean_temp_files, file_sha256, json_sha256
+    from eagle3_train.tokenize.config import resolve_max_seq_len, shortfall_warning
 
     raw_dir, out_dir = Path(raw_dir), Path(out_dir)
     raw_manifest = read_manifest(raw_dir, RAW_STAGE)
@@ -177,14 +195,23 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
     raw_sha = file_sha256(raw_path)
     check_raw_file(raw_path, raw_manifest, raw_sha)
     tok_desc = describe_tokenizer(fmt.tokenizer, tokenizer_name)
-    config = {"max_seq_len": max_seq_len, "loss_on": loss_on, "keep_length": keep_length}
-    key = json_sha256({"raw": raw_sha, "tokenizer": tok_desc["fingerprint"], "format": fmt.describe(),
-                       "config": config})
+    max_tokens = (raw_manifest.get("config") or {}).get("max_tokens")
+    longest = longest_prompt(raw_manifest, raw_path) if max_tokens else None
     with DirLock(out_dir, STAGE):
         try:
             old = read_manifest(out_dir, STAGE)
         except PipelineError:
             old = None
+        # a set built before --max-seq-len had a resolved default keeps its value on a bare rerun
+        was = (old or {}).get("config") or {}
+        recorded = was.get("max_seq_len") if was and "max_seq_len_from" not in was else None
+        max_seq_len, source, note = resolve_max_seq_len(max_seq_len, longest_prompt=longest, max_tokens=max_tokens,
+                                                        max_model_len=server_context(raw_manifest), recorded=recorded)
+        if note:
+            log(note)
+        config = {"max_seq_len": max_seq_len, "loss_on": loss_on, "keep_length": keep_length}
+        key = json_sha256({"raw": raw_sha, "tokenizer": tok_desc["fingerprint"], "format": fmt.describe(),
+                           "config": config})
         if old and old.get("build_key") == key and (out_dir / DATA).exists():
             log(f"tokenize: {out_dir / DATA} is up to date ({old['counts'].get('samples')} samples)")
             return old
@@ -248,7 +275,7 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
             "mismatch_kinds": dict(mismatches.kinds), "finish_reasons": dict(finish),
             "malformed": sum(malformed.values()), "malformed_reasons": dict(malformed)}
         manifest = write_manifest(
-            out_dir, STAGE, config=config,
+            out_dir, STAGE, config={**config, "max_seq_len_from": source},
             inputs={"raw_responses": {**describe_file(raw_path, hash_it=False), "sha256": raw_sha},
                     "raw_manifest": {"created": raw_manifest.get("created"),
                                      "model": raw_manifest.get("target", {}).get("model")}},
@@ -256,6 +283,10 @@ def build_training_set(raw_dir: Path, out_dir: Path, fmt, *, tokenizer_name: str
             tokenizer=tok_desc, chat_format=fmt.describe(), **mismatches.manifest_fields(),
             text_derived=bool(counts["text_derived"] or raw_manifest.get("text_derived")), build_key=key)
     log(format_summary(all_counts, mismatches.examples, out_dir / DATA))
+    short = shortfall_warning(max_seq_len, longest_prompt=longest, max_tokens=max_tokens, cut=counts["truncated"],
+                              dropped=counts["dropped_no_supervised_tokens"], answers=counts["input_records"])
+    if short:
+        log(short)
     return manifest
 
 

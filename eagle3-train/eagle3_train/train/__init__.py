@@ -16,7 +16,7 @@ validated once, which may change on resume).
   checkpoint.py  Checkpointer: interval, keep-last, atomic save with COMPLETE, load, relog
   metrics.py     Meter (sums per interval), Recorder (metrics.jsonl + progress), curves
   loop.py        run() and the Trainer: train, train_step, validate, save
-  export.py      the speculators-format export and the manifest
+  export.py      the export vLLM serves (speculators' eagle3 / DFlash format; MLA: vLLM's deepseek_eagle3), manifest
 """
 
 

@@ -1,10 +1,12 @@
-"""04: train the EAGLE-3 draft on 02's hidden states and 03's vocab mapping, and export it in the
-speculators format vLLM serves (`--speculative-config '{"method": "eagle3", "model": OUT/export}'`).
+"""04: train the EAGLE-3 draft on 02's hidden states and 03's vocab mapping, and export it in the format
+vLLM serves (`--speculative-config '{"method": "eagle3", "model": OUT/export}'`): speculators' eagle3
+format for a Llama/Qwen3 layer, vLLM's deepseek_eagle3 format (the config vLLM's DeepSeek-V3 EAGLE-3
+loader reads) for the MLA layer, speculators' DFlash format for --draft-arch dflash (method dflash).
 
-    python eagle3-train/04_train.py --hidden-states work/hidden --vocab-mapping work/vocab \\
+    uv run eagle3-train/04_train.py --hidden-states work/hidden --vocab-mapping work/vocab \\
         --target MODEL --output-dir work/draft
-    torchrun --nproc-per-node 8 eagle3-train/04_train.py ...            # DDP on 8 GPUs
-    torchrun --nnodes 2 --node-rank R --master-addr HOST --nproc-per-node 8 eagle3-train/04_train.py ...
+    uv run torchrun --nproc-per-node 8 eagle3-train/04_train.py ...            # DDP on 8 GPUs
+    uv run torchrun --nnodes 2 --node-rank R --master-addr HOST --nproc-per-node 8 eagle3-train/04_train.py ...
 
 Rerunning the same command resumes from the last complete checkpoint. Exit status: 0 done, 2 an
 error (one `error:` line), 75 --follow stopped at --follow-timeout after checkpointing (rerun to go on).
@@ -39,7 +41,7 @@ def _ids(text: str) -> list[int]:
 def parse_args(argv=None) -> TrainConfig:
     """Flags, types and groups here; each default and help text comes from TrainConfig's field."""
     C = TrainConfig
-    argv = join_dash_values(sys.argv[1:] if argv is None else argv, ("--aux-layer-ids", "--budget"))
+    argv = join_dash_values(sys.argv[1:] if argv is None else argv, ("--aux-layer-ids", "--budget", "--ttt-decay"))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("inputs")
     g.add_argument("--hidden-states", **C.arg("hidden_states"))
@@ -121,9 +123,9 @@ def parse_args(argv=None) -> TrainConfig:
 def main(argv=None) -> int:
     config = parse_args(argv)  # a bad setting is one error line, before torch is imported
     if config.dry_run:
-        from eagle3_train.plan.planner import dry_run_train
+        from eagle3_train.common.dry_run import dry_run  # 00's figures, reached without importing 00
 
-        return dry_run_train(config)
+        return dry_run(config)
     from eagle3_train.train import run
     from eagle3_train.train.follow import FollowTimeout
 

@@ -236,6 +236,9 @@ class TrainConfig(StageConfig):
         parse_budget(self.budget)
         require(not self.consume or self.follow, "--consume deletes shards as --follow trains them: add --follow")
         require(self.follow_timeout > 0, f"--follow-timeout must be positive, not {self.follow_timeout}")
+        require(self.follow or not self.given("follow_timeout"),
+                "--follow-timeout is how long --follow waits for a new shard: add --follow or drop it")
+        self.check_optimiser()
         if self.follow:  # one pass over the data as it arrives (a consumed shard is gone)
             require(self.epochs in (None, 1) and self.budget is None,
                     "--follow trains one pass over the shards as they arrive: drop --epochs/--budget "
@@ -249,8 +252,22 @@ class TrainConfig(StageConfig):
         dflash = self.draft_arch == "dflash"
         if not dflash:
             asked = [f"--{_flag(k)}" for k in ("block_size", "mask_token_id") if getattr(self, k) is not None]
+            asked += self.given("block_anchors", "block_gamma")
             require(not asked, f"{', '.join(asked)} shape a block draft: add --draft-arch dflash or drop them")
             return
+        # a DFlash draft drafts its whole block in one forward: the EAGLE-3 unroll's flags do nothing there
+        # (the step norms count when asked on: resolved for a block draft they are off, and a Trainer
+        # resolves its config again)
+        unroll = self.given("ttt_steps", "ttt_decay", "norm_before_fc")
+        unroll += [f"--{_flag(k)}" for k in ("norm_before_residual", "norm_output") if getattr(self, k)]
+        require(not unroll, f"{', '.join(unroll)} shape the EAGLE-3 draft's unroll, not a block draft "
+                            "(--block-size, --block-gamma shape that): drop them or choose another --draft-arch")
+        # transformers' eager attention adds the mask it is handed to the scores; the block mask is a
+        # boolean one, so every query would see the other blocks and the context after its anchor
+        require(self.attn != "eager", "--attn eager cannot train a DFlash draft (its block mask would be added "
+                                      "to the scores, not applied): use --attn sdpa or flex, or leave auto")
+        require(self.mask_token_id is None or self.mask_token_id >= 0,
+                f"--mask-token-id must be a token id of the target (0 or more), not {self.mask_token_id}")
         require(self.block_size is None or self.block_size >= 2,
                 f"--block-size must be at least 2 (the anchor and a mask token), not {self.block_size}")
         require(self.spec_tokens <= self.blocks - 1,
@@ -258,6 +275,30 @@ class TrainConfig(StageConfig):
                 f"(--block-size {self.blocks} drafts {self.blocks - 1})")
         require(self.block_anchors >= 1, f"--block-anchors must be at least 1, not {self.block_anchors}")
         require(self.block_gamma > 0, f"--block-gamma must be positive, not {self.block_gamma}")
+
+    def check_optimiser(self) -> None:
+        """Values no optimiser or schedule can use, and flags the chosen one ignores."""
+        require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
+                f"--beta1 and --beta2 must lie in [0, 1), not {self.beta1} and {self.beta2}")
+        for name in ("weight_decay", "muon_weight_decay", "grad_clip"):
+            require(getattr(self, name) >= 0, f"--{_flag(name)} must not be negative, not {getattr(self, name)}")
+        require(0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must lie in [0, 1], not {self.min_lr_ratio}")
+        require(0 <= self.warmup_ratio < 1, f"--warmup-ratio must lie in [0, 1), not {self.warmup_ratio}")
+        require(self.warmup_steps is None or self.warmup_steps >= 0,
+                f"--warmup-steps must not be negative, not {self.warmup_steps}")
+        require(self.warmup_steps is None or not self.given("warmup_ratio"),
+                "--warmup-steps and --warmup-ratio both set the warmup: give one")
+        require(self.optimizer == "muon" or not self.given("muon_weight_decay"),
+                "--muon-weight-decay applies to --optimizer muon: drop it (--weight-decay is AdamW's)")
+        require(self.val_max_samples is None or self.val_max_samples >= 1,
+                f"--val-max-samples must be at least 1, not {self.val_max_samples}")
+
+    def check_target_vocab(self, vocab_size: int) -> None:
+        """What needs the target's vocabulary (read from its config before any work)."""
+        require(self.mask_token_id is None or self.mask_token_id < vocab_size,
+                f"--mask-token-id {self.mask_token_id} is not a token of the target (its vocabulary has "
+                f"{vocab_size} ids, 0..{vocab_size - 1}): pass one below {vocab_size}, or leave it out for "
+                f"the last id")
 
     @property
     def blocks(self) -> int:
@@ -296,6 +337,7 @@ class TrainConfig(StageConfig):
         except ValueError:
             raise PipelineError(f"--ttt-decay must be a number or a comma list of numbers, "
                                 f"not {self.ttt_decay!r}") from None
+        require(all(v >= 0 for v in vals), f"--ttt-decay weights must not be negative, not {self.ttt_decay}")
         if len(vals) == 1:
             return [vals[0] ** k for k in range(self.ttt_steps)]
         require(len(vals) == self.ttt_steps,

@@ -4,7 +4,7 @@
   the vocab mapping, `eagle_aux_hidden_state_layer_ids` and `target_hidden_size` set explicitly.
 - `build_draft` / `export_draft` also dispatch to draft_mla.py for `--draft-arch mla`; what both
   layers share (the target's weights and head, the training-time-test unroll) is in draft_core.py.
-- `export_draft`: the speculators-format directory vLLM serves (`method: eagle3`).
+- `export_draft`: the directory in speculators' eagle3 format vLLM serves (`method: eagle3`).
 
 Where speculators 0.9.0 stops: its `fc` is sized `n_aux * draft_hidden` and its verifier loading
 refuses a target whose hidden size differs from the draft's. A draft narrower than the target
@@ -168,7 +168,7 @@ def build_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t: torch
 # ----------------------------------------------------------------------------- export
 
 def export_draft(model, out_dir: Path, *, extra: dict | None = None) -> Path:
-    """Write the speculators-format directory (config.json + model.safetensors) atomically and
+    """Write the directory in speculators' eagle3 format (config.json + model.safetensors) atomically and
     check what vLLM relies on is in it (an MLA draft: vLLM's deepseek_eagle3 format, draft_mla.py)."""
     from safetensors import safe_open
 

@@ -13,7 +13,7 @@ block anchored at token p drafts token p + i.
   computes it: the training objective (objective_dflash.py) and validation call it;
   `block_draft_tokens`: the greedy proposals of a block of k + 1 at every position, for 05's walk.
 - `load_dflash_draft`: an export loaded back (05's offline part).
-- `export_dflash`: the speculators-format directory vLLM loads.
+- `export_dflash`: the directory in speculators' DFlash format vLLM loads.
 
 Where speculators 0.9.0 stops or differs from what vLLM 0.32 serves:
 - its `fc` is sized `n_aux * draft_hidden`; vLLM sizes it `n_aux * target_hidden_size`, so a draft
@@ -221,7 +221,7 @@ def load_dflash_draft(draft_dir: Path, target: Path):
 # ----------------------------------------------------------------------------- export
 
 def export_dflash(model, out_dir: Path, *, extra: dict | None = None) -> Path:
-    """Write the speculators-format directory vLLM serves with `method: dflash` (config.json,
+    """Write the directory in speculators' DFlash format vLLM serves with `method: dflash` (config.json,
     model.safetensors, mask_embedding.pt) atomically, and check what vLLM relies on is in it."""
     from safetensors import safe_open
 

@@ -11,8 +11,8 @@ width. `MlaDraft` carries the attributes `draft.unroll` / `head` / the objective
 so the TTT unroll, loss and loop are the Llama path's, unchanged: each TTT step writes its MLA latents
 (`kv_nope`, `k_rot`) into the same growing cache and attends under the same extended mask.
 
-The export is not the speculators format (vLLM's speculators reader maps only llama/qwen3 layers,
-vllm/transformers_utils/configs/speculators/algos.py): it is a plain DeepSeek-V3 config with
+The export is vLLM's deepseek_eagle3 format, not speculators' (vLLM's speculators reader maps only
+llama/qwen3 layers, vllm/transformers_utils/configs/speculators/algos.py): it is a plain DeepSeek-V3 config with
 `architectures: ["Eagle3DeepseekV2ForCausalLM"]` (model_type deepseek_v2, see MODEL_TYPE), which vLLM
 wraps in its EAGLEConfig, plus the EAGLE-3 keys that file reads, written explicitly. Our own metadata (k, the verifier) sits under
 `eagle3_train`, never `speculators_config` (that key makes vLLM read the file as speculators').

@@ -1,5 +1,6 @@
-"""04's last act: export the chosen checkpoint in the speculators format vLLM serves, draw the
-curves, write the manifest (the run counts as finished only from then on)."""
+"""04's last act: export the chosen checkpoint in the format vLLM serves (speculators'
+eagle3 or DFlash format; vLLM's deepseek_eagle3 format for the MLA layer), draw the curves, write
+the manifest (the run counts as finished only from then on)."""
 
 from __future__ import annotations
 

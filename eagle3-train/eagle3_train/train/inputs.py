@@ -45,6 +45,7 @@ def open_inputs(config: TrainConfig, dtype: torch.dtype = torch.float32) -> Inpu
     mapping = vocab.read_mapping(Path(config.vocab_mapping))
     target_cfg = load_target_config(config.target)
     tc = text_config(target_cfg)
+    config.check_target_vocab(tc.vocab_size)
     ours = target_identity(describe_target(target_cfg, config.target))
     sm, mm = store.manifest, mapping.manifest
     require_match("target model", ours, target_identity(sm.get("target")), source=str(store.directory))

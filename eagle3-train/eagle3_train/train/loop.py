@@ -4,7 +4,7 @@ One optimizer step consumes `world_size x grad_accum` packed batches (data.py). 
   run.json                   the config + input identities (a rerun must match, or --overwrite)
   checkpoints/step-XXXXXXX/  see checkpoint.py (valid only with COMPLETE)
   metrics.jsonl              see metrics.Recorder
-  progress.log, curves.png, export/ (speculators format), manifest.json (written last)
+  progress.log, curves.png, export/ (what vLLM serves), manifest.json (written last)
 """
 
 from __future__ import annotations
@@ -319,6 +319,9 @@ class Trainer:
         if self.d.main:
             atomic_write_json(self.out / STOPPED, {"stopped": "follow-timeout", "exit_code": EXIT_FOLLOW_TIMEOUT,
                                                    "step": self.step, "message": line, "time": time.time()})
+        # torchrun kills the ranks still running once one exits non-zero: no rank leaves before rank 0
+        # has written the record the driver loop reads (torchrun itself reports 75 as 1).
+        self.d.barrier()
         raise FollowTimeout(line)
 
     def resume(self) -> dict | None:

@@ -2,7 +2,7 @@
 keeps the K most frequent (plus the tokens that end reasoning, turn and sequence), and writes
 vocab_mapping.safetensors (d2t, t2d), the token counts, and a coverage report with its curve.
 
-    python eagle3-train/03_build_vocab_mapping.py --data work/tokenized --target MODEL --output-dir work/vocab
+    uv run eagle3-train/03_build_vocab_mapping.py --data work/tokenized --target MODEL --output-dir work/vocab
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -61,9 +62,35 @@ class VocabConfig(StageConfig):
         "recounting; refused if they were counted from anything else"))
     recount: bool = setting(False, resume=True, help="count again even if matching counts exist (default: reuse them)")
 
+    def draft_size(self, vocab_size: int) -> int:
+        """K for a target of `vocab_size` ids, checking what the flags name against that vocabulary.
+        A K past it is clamped with one warning rather than refused: the default (32000) is sized for
+        large targets, and on a small one the whole vocabulary is the only draft vocabulary it asks for."""
+        for name in ("think_start_id", "think_end_id", "end_of_turn_id"):
+            value = getattr(self, name)
+            require(value is None or value < vocab_size,
+                    f"--{name.replace('_', '-')} {value} is not a token of the target (0..{vocab_size - 1}): "
+                    "pass its id in this vocabulary")
+        big = [s for s in self.coverage_sizes or () if s > vocab_size]
+        require(not big, f"--coverage-sizes {', '.join(map(str, big))} exceed the target's vocabulary of "
+                         f"{vocab_size}: pass sizes up to {vocab_size}")
+        if self.draft_vocab_size <= vocab_size:
+            return self.draft_vocab_size
+        print(f"warning: --draft-vocab-size {self.draft_vocab_size} exceeds the target vocabulary; using {vocab_size} "
+              f"(all of it; pass --draft-vocab-size {vocab_size} or less to choose)", file=sys.stderr)
+        return vocab_size
+
     def validate(self):
         require(0 <= self.heldout_fraction < 1, f"--heldout-fraction must be in [0, 1), not {self.heldout_fraction}")
         require(self.draft_vocab_size >= 1, f"--draft-vocab-size must be positive, not {self.draft_vocab_size}")
         require(self.progress_every >= 0, f"--progress-every must not be negative, not {self.progress_every}")
+        for name in ("think_start_id", "think_end_id", "end_of_turn_id"):
+            value = getattr(self, name)
+            require(value is None or value >= 0,
+                    f"--{name.replace('_', '-')} must be a token id (0 or more), not {value}")
+        require(not self.coverage_sizes or min(self.coverage_sizes) >= 1,
+                f"--coverage-sizes must be positive, not {self.coverage_sizes}")
+        require(self.freq_from is None or not self.recount,
+                "--freq-from reuses another output's counts and --recount counts again: give one")
         self.data, self.target, self.tokenizer = _local(self.data), _local(self.target), _local(self.tokenizer)
         self.tokenizer = self.tokenizer or self.target

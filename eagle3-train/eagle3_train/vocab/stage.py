@@ -71,6 +71,7 @@ def run(cfg) -> int:
 
     target_cfg = load_target_config(cfg.target)
     vocab_size = text_config(target_cfg).vocab_size
+    k = cfg.draft_size(vocab_size)  # the flags' ids and sizes against the target's vocabulary, first
     tok = load_tokenizer(cfg.tokenizer)
     theirs = ts.tokenizer
     ours = tokenizer_fingerprint(tok)
@@ -83,10 +84,6 @@ def run(cfg) -> int:
         raise PipelineError(f"tokenizer/target mismatch: tokenizer {cfg.tokenizer} has {len(tok)} tokens but "
                             f"the target {cfg.target} has vocab_size {vocab_size}")
     required = vocab.required_tokens(chat_format(cfg, tok, vocab.recorded_format(ts.manifest)), cfg.keep_tokens)
-    k = cfg.draft_vocab_size
-    if k > vocab_size:
-        print(f"note: --draft-vocab-size {k} exceeds the target vocabulary; using {vocab_size}")
-        k = vocab_size
 
     key_of = lambda data: freq_key(data, theirs["fingerprint"], vocab_size, cfg.heldout_fraction)  # noqa: E731
     with DirLock(out, VOCAB):
