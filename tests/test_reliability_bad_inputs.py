@@ -518,7 +518,8 @@ def test_04_store_with_a_repeated_layer(chain, tmp_path, capfd):
 
 PLAN_TARGET = str(Path(__file__).parents[1] / "docs" / "kimi-k2.5-text-config.json")
 CLIS = {"00_preflight": "preflight", "00_plan": "plan", "01b": "generate", "01c": "tokenize",
-        "02": "extract", "03": "vocab", "04": "train", "05": "evaluate", "pilot": "pilot"}
+        "02": "extract", "03": "vocab", "04": "train", "05": "evaluate", "pilot": "pilot",
+        "01": "split_prompts", "01b-capture": "generate", "status": "status", "gpu_check": None}
 BASE = {
     "00_preflight": ["--allreduce-procs", "0"],
     "00_plan": ["--target", PLAN_TARGET],
@@ -530,6 +531,11 @@ BASE = {
            "--out", "{tmp}/run"],
     "05": ["--draft", "{tmp}/run/export", "--output-dir", "{tmp}/eval"],
     "pilot": ["--target", "{tmp}/target", "--input", "{tmp}/p.jsonl", "--work-dir", "{tmp}/work"],
+    "01": ["--input", "{tmp}/p.jsonl", "--output-dir", "{tmp}/split", "--heldout", "1"],
+    "01b-capture": ["--input", "{tmp}/p.jsonl", "--output-dir", "{tmp}/gen", "--model", "kimi-k2.5",
+                    "--capture-hidden-states", "--target", "{tmp}/target"],
+    "status": [],
+    "gpu_check": ["--out", "{tmp}/gpu"],
 }
 ONLINE = ["--prompts", "{tmp}/p.jsonl"]
 PARSE_CASES = [
@@ -583,6 +589,61 @@ PARSE_CASES = [
     ("pilot", ["--storage", "fp9"], ("--storage", "'fp9'", "fp8-topk")),
     ("pilot", ["--work-dir", "{tmp}/p.jsonl"], ("--work-dir", "is a file")),
     ("pilot", ["--screen-only", "{tmp}/gen", "--budget", "5"], ("--screen-only", "--budget")),
+    # -- 01b's --concurrency auto controller and its endpoints
+    ("01b", ["--concurrency", "8", "--max-concurrency", "64"], ("--max-concurrency", "--concurrency auto", "drop it")),
+    ("01b", ["--concurrency", "8", "--concurrency-every", "5"], ("--concurrency-every", "--concurrency auto")),
+    ("01b", ["--concurrency", "8", "--max-concurrency", "64", "--concurrency-every", "5"],
+     ("--max-concurrency, --concurrency-every", "drop them")),
+    ("01b", ["--concurrency-every", "inf"], ("--concurrency-every must be positive", "inf")),
+    ("01b", ["--base-url", "{url}"], ("--base-url", "repeats", "give each endpoint once")),
+    ("01b", ["--base-url", "{url}/"], ("--base-url", "repeats", "give each endpoint once")),
+    ("01b", ["--base-url", "127.0.0.1:8000/v1"], ("--base-url", "not an http(s) URL", "http://127.0.0.1:8000/v1")),
+    ("01b", ["--base-url", "ftp://127.0.0.1:8000/v1"], ("--base-url", "write http://127.0.0.1:8000/v1")),
+    # -- --wait-for-server values, and where nothing waits
+    ("01b", ["--wait-for-server", "inf"], ("--wait-for-server", "not inf", "86400")),
+    ("01b", ["--wait-for-server", "30m"], ("--wait-for-server", "'30m'", "1800")),
+    ("01b-capture", ["--launch-server", "--wait-for-server", "60"], ("--wait-for-server", "--startup-timeout")),
+    ("05", [*ONLINE, "--wait-for-server", "60"], ("--wait-for-server", "started here", "drop")),
+    ("05", [*ONLINE, "--base-url", "{url}", "--wait-for-server", "soon"], ("--wait-for-server", "'soon'", "seconds")),
+    ("02", ["--backend", "vllm", "--launch-server", "--wait-for-server", "60"], ("--wait-for-server", "--server-url")),
+    ("02", ["--backend", "vllm", "--server-url", "{url}", "--wait-for-server", "inf"], ("--wait-for-server", "86400")),
+    # -- 05's arms, servers and sweeps
+    ("05", [*ONLINE, "--arms", "eagle3,none,eagle3"], ("--arms", "eagle3 more than once", "each arm once")),
+    ("05", [*ONLINE, "--k-sweep", "3,5,3"], ("--k-sweep", "3 more than once", "once")),
+    ("05", [*ONLINE, "--concurrency", "1,4,4"], ("--concurrency", "4 more than once", "once")),
+    ("05", [*ONLINE, "--url", "eagle3={url}", "--base-url", "{url}"], ("--base-url", "--url eagle3=", "give one")),
+    ("05", [*ONLINE, "--arms", "eagle3,none", "--url", "none={url}", "--url", "none={url}/"],
+     ("--url", "arm none twice", "give one")),
+    ("05", [*ONLINE, "--url", "eagle3="], ("--url eagle3=", "not an http(s) URL", "http://127.0.0.1:8000/v1")),
+    ("05", [*ONLINE, "--base-url", "localhost:8000/v1"], ("--base-url", "http://localhost:8000/v1")),
+    # -- 02's storage and server
+    ("02", ["--topk", "16"], ("--topk", "--storage fp8-topk", "drop --topk")),
+    ("02", ["--backend", "vllm", "--server-url", "{url}", "--launch-server"],
+     ("--server-url", "--launch-server", "give one")),
+    ("02", ["--backend", "vllm", "--server-url", "localhost:8000/v1"], ("--server-url", "http://localhost:8000/v1")),
+    # -- the held-out split
+    ("01", ["--heldout", "inf"], ("--heldout must be positive", "inf")),
+    ("01", ["--heldout", "nan"], ("--heldout must be positive", "nan")),
+    ("01", ["--heldout", "2.5"], ("--heldout 2.5", "whole number")),
+    ("01", ["--heldout", "2"], ("--heldout 2", "none left to train on", "smaller --heldout")),
+    ("01", ["--input", "{tmp}/train.jsonl", "--output-dir", "{tmp}"],
+     ("--input", "train.jsonl", "another --output-dir")),
+    # -- the status view
+    ("status", ["{tmp}/p.jsonl"], ("WORK", "is not a directory")),
+    ("status", ["{tmp}/nothere"], ("WORK", "does not exist")),
+    ("status", [""], ("WORK is empty", "$W")),
+    # -- the GPU check's device profile
+    ("gpu_check", ["--make-kit", "--profile", "device"], ("--profile", "--make-kit", "run it alone")),
+    ("gpu_check", ["--make-kit", "--dry-run"], ("--dry-run", "--make-kit")),
+    ("gpu_check", ["--profile", "device", "--device", "cpu"],
+     ("--device", "not read by --profile device", "--dry-run")),
+    ("gpu_check", ["--profile", "device", "--samples", "4", "--draft", "{tmp}"], ("--samples, --draft", "drop them")),
+    ("gpu_check", ["--dry-run", "--budget-s", "0"], ("--budget-s", "positive", "0.0")),
+    ("gpu_check", ["--dry-run", "--only", "04,05,04"], ("--only", "04 more than once")),
+    ("gpu_check", ["--dry-run", "--out", "{tmp}/p.jsonl"], ("--out", "is a file", "folder")),
+    ("gpu_check", ["--profile", "device", "--dry-run", "--only", "04"], ("--only", "unknown step", "04-mla")),
+    # -- ids checked against the target's vocabulary and layers (03's at its start: test_03_ids...)
+    ("03", ["--end-of-turn-id", "-2"], ("--end-of-turn-id", "token id", "-2")),
 ]
 
 
@@ -607,13 +668,25 @@ def recorder():
     srv.server_close()
 
 
+def cli_main(key: str):
+    import importlib
+    import sys
+
+    if CLIS[key] is None:  # scripts/gpu_check.py: imported as it is run (tests/test_gpu_check.py)
+        scripts = str(Path(__file__).parents[1] / "scripts")
+        sys.path.insert(0, scripts)
+        try:
+            return importlib.import_module(key).main
+        finally:
+            sys.path.remove(scripts)
+    return importlib.import_module(f"eagle3_train.{CLIS[key]}.cli").main
+
+
 def run_cli(key: str, argv: list[str], capfd) -> Result:
     """A stage's main() (or the pilot's) through errors.run_main, as reliability.run_inprocess runs one."""
-    import importlib
-
     from eagle3_train.common.errors import run_main
 
-    main = importlib.import_module(f"eagle3_train.{CLIS[key]}.cli").main
+    main = cli_main(key)
     capfd.readouterr()
     try:
         rc = run_main(main, argv)
@@ -632,6 +705,7 @@ def run_cli(key: str, argv: list[str], capfd) -> Result:
 def test_flags_refused_before_any_request_or_write(key, argv, needles, tmp_path, recorder, k25_tokenizer_dir, capfd):
     url, hits = recorder
     write_prompts(tmp_path / "p.jsonl", ["a", "b"])
+    write_prompts(tmp_path / "train.jsonl", ["c", "d"])  # a split's own file, given back as its input
     fill = {"{tmp}": str(tmp_path), "{url}": url, "{k25}": str(k25_tokenizer_dir)}
 
     def filled(a: str) -> str:
@@ -655,6 +729,40 @@ def test_04_mask_token_id_outside_the_target_vocab(chain, tmp_path, capfd):
                         capfd)
     refused(res, {chain.hs: before}, out, "--mask-token-id 99999999", "vocabulary has", "pass one below")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("stage, flags, needles", [
+    ("03", ["--think-end-id", "99999999"], ("--think-end-id 99999999", "not a token of the target", "pass its id")),
+    ("03", ["--end-of-turn-id", "99999999"], ("--end-of-turn-id 99999999", "not a token of the target")),
+    ("03", ["--coverage-sizes", "64", "99999999"], ("--coverage-sizes 99999999", "exceed", "pass sizes up to")),
+    ("04", ["--aux-layer-ids", "2,99"], ("--aux-layer-ids", "99")),
+    ("04", ["--aux-layer-ids", "1,3"], ("--aux-layer-ids", "1")),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_ids_checked_against_the_target(stage, flags, needles, chain, tmp_path, capfd):
+    """Token ids and layer ids that the target (read before any work) does not have: one line naming
+    the flag and the id, nothing written, the inputs untouched."""
+    data = chain.tokenized if stage == "03" else chain.hs
+    before = snapshot(data)
+    out = tmp_path / "out"
+    if stage == "03":
+        res = run_inprocess("03_build_vocab_mapping", [*chain.argv03(out), *flags], capfd)
+    else:
+        res = run_inprocess("04_train", [*chain.argv04(out), *flags], capfd)
+    refused(res, {data: before}, out, *needles)
+    assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
+
+
+def test_01b_tokenize_loads_the_tokenizer_once(tmp_path, fault_server, k25_tokenizer_dir, capfd, monkeypatch):
+    """01b --tokenize reads the tokenizer before any request (its ids checked there) and tokenizes the
+    answers with that same one."""
+    from eagle3_train.common import tokenization
+
+    loads, load = [], tokenization.load_tokenizer
+    monkeypatch.setattr(tokenization, "load_tokenizer", lambda name: loads.append(name) or load(name))
+    prompts = write_prompts(tmp_path / "p.jsonl", ["a", "b"])
+    res = run01b(prompts, tmp_path / "gen", fault_server.url, capfd, "--tokenize", "--tokenizer", k25_tokenizer_dir)
+    assert res.rc == 0, res.stderr
+    assert (tmp_path / "gen" / "tokenized" / "manifest.json").exists() and loads == [str(k25_tokenizer_dir)]
 
 
 def test_03_draft_vocab_size_past_the_target_is_clamped_with_one_warning(chain, tmp_path, capfd):

@@ -65,6 +65,15 @@ def test_run_writes_checkpoints_metrics_curves_export_and_manifest(reference, in
     assert all(r["al_by_depth"][-1] == r["acceptance_length"] and 1 <= r["al_all_positions"] <= 4
                for r in m["val"])
     assert man["best"]["acceptance_length"] == max(r["acceptance_length"] for r in m["val"])
+    # Acceptance by position (--position-buckets, default): every validation record, all its drafts in
+    # the buckets; the last one in the manifest and its plot
+    for r in m["val"]:
+        bp = r["by_position"]
+        assert set(bp) == {"edges", "counts", "rows"} and bp["edges"] == [0, 512, 2048, 8192, 16384]
+        assert sum(bp["counts"]["drafts"]) == r["drafts"] > 0 == sum(bp["counts"]["drafts"][1:])  # short samples
+        assert bp["rows"][0]["acceptance_length"] == pytest.approx(r["acceptance_length"])
+    assert man["by_position"] == m["val"][-1]["by_position"] and man["config"]["position_buckets"] == "512,2k,8k,16k"
+    assert (reference / "al_by_position.png").read_bytes()[:4] == b"\x89PNG"
     for k in (3, 7):  # one line per statistic, each named once
         labels = [label for label, _, _ in validation_series(m["val"], k)]
         assert len(set(labels)) == len(labels) == (2 if k == 3 else 3)
@@ -145,7 +154,7 @@ def test_mismatched_inputs_are_refused_naming_both_values(inputs, tmp_path, deep
     with pytest.raises(PipelineError, match="target model mismatch.*llama.*deepseek_v3"):
         stage.main(argv({**inputs, "target": deepseek_target_dir}, tmp_path / "b"))
 
-    with pytest.raises(PipelineError, match=r"layer ids mismatch.*\[2, 4, 5\].*\[1, 4, 5\]"):
+    with pytest.raises(PipelineError, match=r"--aux-layer-ids 1,4,5: layer 1 is not in .*\[2, 4, 5\]"):
         stage.main(argv(inputs, tmp_path / "c", "--aux-layer-ids", "1,4,5"))
 
     # A mapping over another vocabulary size (its manifest otherwise fine).
@@ -299,9 +308,14 @@ def test_samples_cut_by_max_sample_tokens_are_reported_loudly(inputs, tmp_path, 
     limit = lengths[len(lengths) // 2]
     out = tmp_path / "run"
     train(inputs, out, "--max-sample-tokens", str(limit), "--max-steps", "2", "--save-every", "2",
-          "--export-dtype", "fp32", "--val-max-samples", "1")
+          "--export-dtype", "fp32", "--val-max-samples", "1", "--position-buckets", "8,16")
     text = capsys.readouterr().out
     man = read_manifest(out, STAGE)
+    # the last validation's acceptance by position, printed once at the end, as the manifest keeps it
+    from eagle3_train.common.positions import table
+
+    assert man["by_position"]["edges"] == [0, 8, 16] and man["config"]["position_buckets"] == "8,16"
+    assert text.count("validation acceptance by position") == 1 and table(man["by_position"]["rows"], 3) in text
     # One held-out sample validates, the others train; 05's offline set is exactly that one.
     from eagle3_train.common.split import is_heldout
     from eagle3_train.evaluate.draft import describe_draft

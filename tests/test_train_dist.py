@@ -59,6 +59,7 @@ def same_trajectory(a: Path, b: Path, rtol: float) -> None:
         assert x["loss_by_step"] == pytest.approx(y["loss_by_step"], rel=rtol)
     for x, y in zip(ma["val"], mb["val"]):
         assert x["drafts"] == y["drafts"]
+        assert x["by_position"] == y["by_position"]  # summed over ranks as the rest (all-reduced)
         assert x["loss"] == pytest.approx(y["loss"], rel=rtol)
     wa = load_file(str(a / "export" / "model.safetensors"))
     wb = load_file(str(b / "export" / "model.safetensors"))

@@ -36,12 +36,18 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
                       log=print, examples=synthetic_examples, layers: int = 8, heads: int | None = None,
                       kv_heads: int = 1, intermediate: int | None = None, warmup: int = 100,
                       autocast: bool = False, save_dtype: str | None = None,
-                      check_max_new_tokens: int = 200, log_every: int = 50, arch: str = "llama") -> dict:
+                      check_max_new_tokens: int = 200, log_every: int = 50, arch: str = "llama",
+                      pad_mask: bool = True, same_length: bool = False, check=None, max_pos: int = 2048) -> dict:
     """`examples(n, seed)` gives the task (the tiny-reasoner's by default; the bench target's is
     eagle3_testkit.bench_tasks.bench_examples); the shape arguments default to the tiny-reasoner's.
     `arch` "deepseek_v3" trains tiny.deepseek_v3_config (MLA + MoE) instead; it takes only `hidden`
     and `layers` of the shape arguments.
-    `autocast` runs forward/backward in bf16 (AMX on this CPU) with fp32 master weights."""
+    `autocast` runs forward/backward in bf16 (AMX on this CPU) with fp32 master weights.
+    `pad_mask` False leaves out the attention mask: the padding is on the right, so causal attention
+    never reads it, and without a mask sdpa runs causal without building a T x T mask per batch.
+    `same_length` fills each step with a random sequence's neighbours in length, not random ones: with
+    lengths spread over 100s to 1000s of tokens, random batches are mostly padding.
+    `check` replaces the greedy check: a function (out_dir) -> dict of figures."""
     import torch
     from eagle3_train.common.progress import Progress
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -59,7 +65,7 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
         cfg = deepseek_v3_config(tokenizer, hidden=hidden, layers=layers, head_dim=32)
     else:
         cfg = llama_config(tokenizer, hidden=hidden, layers=layers, heads=heads or hidden // 32,
-                           kv_heads=kv_heads, intermediate=intermediate or 4 * hidden)
+                           kv_heads=kv_heads, intermediate=intermediate or 4 * hidden, max_pos=max_pos)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     randomize_router_bias(model, seed)  # DeepSeek-V3 only: fixed, not learnt (updated outside backprop)
     model.to(device)
@@ -70,8 +76,14 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
     pad = cfg.pad_token_id
     t0, losses = time.time(), []
     bar = Progress("target", steps, unit="step", every_s=60.0)
+    by_len = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
+    rank = {i: r for r, i in enumerate(by_len)}
     for step in range(steps):
-        idx = torch.randint(len(seqs), (batch,), generator=g).tolist()
+        if same_length:
+            r = min(max(0, rank[int(torch.randint(len(seqs), (1,), generator=g))] - batch // 2), len(seqs) - batch)
+            idx = by_len[r: r + batch]
+        else:
+            idx = torch.randint(len(seqs), (batch,), generator=g).tolist()
         width = max(len(seqs[i][0]) for i in idx)
         ids = torch.full((batch, width), pad)
         labels = torch.full((batch, width), -100)
@@ -85,7 +97,7 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
         for group in opt.param_groups:
             group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
-            loss = model(input_ids=ids.to(device), attention_mask=attn.to(device),
+            loss = model(input_ids=ids.to(device), attention_mask=attn.to(device) if pad_mask else None,
                          labels=labels.to(device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -108,7 +120,9 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
              "torch": torch.__version__, "threads": torch.get_num_threads(), "final_loss": losses[-1],
              "train_seconds": round(time.time() - t0, 1),
              "params": sum(p.numel() for p in model.parameters())}
-    if check_n:
+    if check:
+        stats.update(check(out_dir))
+    elif check_n:
         stats.update(check_tiny_target(out_dir, n=check_n, examples=examples,
                                        max_new_tokens=check_max_new_tokens))
     (out_dir / "training_stats.json").write_text(json.dumps(stats, indent=2) + "\n")

@@ -68,8 +68,9 @@ def one_run(srv, prompts: Path, out: Path, concurrency, args) -> dict:
 
     cfg = gen_args(["--input", str(prompts), "--output-dir", str(out), "--base-url", srv.base_url,
                     "--model", args.target, "--concurrency", str(concurrency), "--max-tokens", str(args.max_tokens),
-                    "--temperature", "1", "--seed", str(args.seed), "--timeout", "1800",
-                    "--concurrency-every", str(args.every), "--progress-every", "10"])
+                    "--temperature", "1", "--seed", str(args.seed), "--timeout", "1800", "--progress-every", "10",
+                    # the controller's reading interval: only auto has one (01b refuses it beside a number)
+                    *(["--concurrency-every", str(args.every)] if str(concurrency) == "auto" else [])])
     pre0, gen0 = counters(srv.metrics_url)
     t0 = time.monotonic()
     res = run_generation(cfg)

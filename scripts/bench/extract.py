@@ -113,7 +113,7 @@ def compare(args, target: Path, work: Path) -> list[dict]:
     tokd = make_tokenized(work / "tokenized", target, args.samples)
     for st in dict.fromkeys(["bf16", *args.storages]):
         extract_main(["--input", str(tokd), "--model", str(target), "--output", str(work / f"hs-{st}"),
-                      "--storage", st, "--topk", str(args.topk)])
+                      "--storage", st, *(["--topk", str(args.topk)] if st == "fp8-topk" else [])])
     vocab_main(["--data", str(tokd), "--target", str(target), "--out", str(work / "vocab"),
                 "--draft-vocab-size", "256"])
     results = []

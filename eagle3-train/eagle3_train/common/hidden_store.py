@@ -393,6 +393,22 @@ def store_bytes(directory: Path) -> int:
     return total
 
 
+def request_bytes(directory: Path | None) -> int:
+    """Bytes of the files in a vLLM connector's directory (01b capture's answers in flight: states the
+    server wrote, not yet read into a shard); 0 when there is none."""
+    total = 0
+    try:
+        entries = list(Path(directory).iterdir()) if directory is not None else []
+    except FileNotFoundError:
+        return 0
+    for p in entries:
+        try:
+            total += p.stat().st_size
+        except FileNotFoundError:  # read and deleted meanwhile
+            pass
+    return total
+
+
 def note(log_path: Path | None, stage: str, text: str) -> None:
     """One line on stdout and in progress.log (the waits of a producer and a follower)."""
     import datetime as dt
@@ -405,16 +421,18 @@ def note(log_path: Path | None, stage: str, text: str) -> None:
 
 
 def wait_for_room(directory: Path, limit: int, ahead: int, *, log_path: Path | None, stage: str,
-                  every_s: float = 30.0, poll_s: float = 0.5) -> float:
+                  every_s: float = 30.0, poll_s: float = 0.5, in_flight: Callable[[], int] | None = None) -> float:
     """Back-pressure: return once the shard bytes on disk plus `ahead` (estimated bytes computed but
-    not yet on disk) are within `limit`, so the store never holds more than `limit` plus the shard
-    about to be made. Returns the seconds waited (the wait shows in progress.log)."""
+    not yet on disk) plus `in_flight()` (bytes on disk outside the store that become part of it, e.g.
+    request_bytes of 01b capture's connector directory; measured again at every poll) are within
+    `limit`, so the store never holds more than `limit` plus the shard about to be made. Returns the
+    seconds waited (the wait shows in progress.log)."""
     t0 = last = time.monotonic()
     said = False
-    while (used := store_bytes(directory)) + ahead > limit:
+    while (used := store_bytes(directory)) + (flying := ahead + (in_flight() if in_flight else 0)) > limit:
         now = time.monotonic()
         if not said or now - last >= every_s:
-            note(log_path, stage, f"waiting for room: store {human_bytes(used)} + {human_bytes(ahead)} in flight "
+            note(log_path, stage, f"waiting for room: store {human_bytes(used)} + {human_bytes(flying)} in flight "
                                   f"> --max-store-gb {limit / 1e9:g} GB; resumes as 04 --follow --consume trains "
                                   "and deletes shards")
             said, last = True, now

@@ -27,10 +27,12 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import errno
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from eagle3_train.common.errors import PipelineError
 
@@ -47,8 +49,32 @@ READY, LOADING, ANSWERED = "ready", "loading", "answered"
 
 def check_wait(seconds: float) -> None:
     """validate()'s check of --wait-for-server (each stage that has it)."""
+    if isinstance(seconds, str):  # what wait_seconds could not read
+        raise PipelineError(f"--wait-for-server {seconds!r} is not a number of seconds: pass e.g. 1800 for 30 "
+                            "minutes, 3600 for an hour")
     if not seconds >= 0:  # NaN too
         raise PipelineError(f"--wait-for-server must not be negative (0 = do not wait), not {seconds}")
+    if math.isinf(seconds):  # the wait's lines count it down in minutes
+        raise PipelineError("--wait-for-server takes seconds, not inf: pass a bound, e.g. 86400 (a day)")
+
+
+def wait_seconds(text: str) -> float | str:
+    """argparse's type of --wait-for-server: the number, else the text as given, which check_wait then
+    refuses in the stages' one `error:` line (argparse's own line would not say what to pass)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def check_url(flag: str, url: str) -> None:
+    """validate()'s check of a server URL: http(s)://host..., what the client and the wait can reach
+    (without the scheme aiohttp takes 'host:8000' as a path, and says so only once it is asked)."""
+    parts = urlsplit(url)
+    if parts.scheme in ("http", "https") and parts.hostname:
+        return
+    fix = f"write http://{url.split('://', 1)[-1].lstrip('/')}" if url.strip() else "pass e.g. http://127.0.0.1:8000/v1"
+    raise PipelineError(f"{flag} {url!r} is not an http(s) URL with a host: {fix}")
 
 
 def health_url(base_url: str) -> str:

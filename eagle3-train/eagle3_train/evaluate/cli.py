@@ -22,6 +22,7 @@ from pathlib import Path
 
 from eagle3_train.common.config import join_dash_values
 from eagle3_train.common.errors import run_main
+from eagle3_train.common.server_wait import wait_seconds
 from eagle3_train.evaluate.config import OFFLINE_DTYPES, EvalConfig
 
 
@@ -45,6 +46,7 @@ def parse_args(argv=None) -> EvalConfig:
     g.add_argument("--overwrite", action="store_true", **C.arg("overwrite"))
     g.add_argument("--num-speculative-tokens", type=int, **C.arg("num_speculative_tokens"))
     g.add_argument("--progress-every", type=float, **C.arg("progress_every"))
+    g.add_argument("--position-buckets", metavar="N,N,...", **C.arg("position_buckets"))
     g = p.add_argument_group("offline simulation (no server)")
     g.add_argument("--store", type=Path, **C.arg("store"))
     g.add_argument("--max-offline-samples", type=int, **C.arg("max_offline_samples"))
@@ -61,12 +63,13 @@ def parse_args(argv=None) -> EvalConfig:
     g.add_argument("--url", action="append", metavar="ARM=URL", **C.arg("url"))
     g.add_argument("--ngram", type=_ints, metavar="MIN,MAX", **C.arg("ngram"))
     g.add_argument("--timeout", type=float, **C.arg("timeout"))
-    g.add_argument("--wait-for-server", type=float, **C.arg("wait_for_server"))
-    g = p.add_argument_group("sampling (the same in every arm)")
+    g.add_argument("--wait-for-server", type=wait_seconds, **C.arg("wait_for_server"))
+    g = p.add_argument_group("sampling (the same in every arm; --temperature, --top-p, --seed: the offline walk too)")
     g.add_argument("--max-tokens", type=int, **C.arg("max_tokens"))
     g.add_argument("--temperature", type=float, **C.arg("temperature"))
     g.add_argument("--top-p", type=float, **C.arg("top_p"))
     g.add_argument("--seed", type=int, **C.arg("seed"))
+    g.add_argument("--sampled-repeats", type=int, **C.arg("sampled_repeats"))
     g = p.add_argument_group("servers started here")
     g.add_argument("--max-model-len", type=int, **C.arg("max_model_len"))
     g.add_argument("--reasoning-parser", **C.arg("reasoning_parser"))

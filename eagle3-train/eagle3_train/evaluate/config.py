@@ -9,14 +9,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from eagle3_train.common import positions
 from eagle3_train.common.config import EVALUATE, StageConfig, require, setting
-from eagle3_train.common.server_wait import WAIT_DEFAULT_S, WAIT_HELP, check_wait
+from eagle3_train.common.server_wait import WAIT_DEFAULT_S, WAIT_HELP, check_url, check_wait
 from eagle3_train.common.vllm_server import STARTUP_HELP
 
 # 05's online arms: the draft (named eagle3 for any draft family: a DFlash draft is served with
 # method dflash in it), no speculation, prompt lookup
 ARMS = ("eagle3", "none", "ngram")
 OFFLINE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+# vLLM's per-request record of the verify steps (acceptance by position): 05 sets it on the servers
+# it starts that speculate, and vLLM refuses it on one that does not.
+RECORD_FLAG = "--per-request-spec-decode-metrics"
 
 
 @dataclass(kw_only=True)
@@ -40,6 +44,7 @@ class EvalConfig(StageConfig):
                                                             "K, and the K to serve recommended, also written to "
                                                             "DRAFT/recommended_k.json (default: K alone)")
     progress_every: float = setting(10.0, help="seconds between progress.log lines", resume=True)
+    position_buckets: str = setting(positions.BUCKETS, help=positions.BUCKETS_HELP)
 
     # -- offline simulation (no server)
     store: Path | None = setting(None, help="02's hidden-state store; its held-out samples (per 04's split) are "
@@ -67,11 +72,16 @@ class EvalConfig(StageConfig):
     timeout: float = setting(600, help="per request, seconds", resume=True)
     wait_for_server: float = setting(WAIT_DEFAULT_S, help=f"with --base-url / --url: {WAIT_HELP}", resume=True)
 
-    # -- sampling (the same in every arm)
+    # -- sampling (the same in every arm; --temperature, --top-p and --seed also set the offline walk)
     max_tokens: int = setting(512, help="completion tokens per request")
-    temperature: float = setting(0.0, help="0 = greedy")
+    temperature: float = setting(0.0, help="0 = greedy; above 0 the offline part walks as vLLM verifies sampled "
+                                           "requests (a proposal accepted with the target's probability of it), "
+                                           "from the store's last hidden state or top-k")
     top_p: float = setting(1.0, help="nucleus sampling")
-    seed: int = setting(0, help="sampling seed")
+    seed: int = setting(0, help="sampling seed (and the offline sampled walk's)")
+    sampled_repeats: int = setting(32, help="with --temperature above 0 and --store: draws of the offline sampled "
+                                            "walk per sample to start with; more are drawn until its AL's "
+                                            "standard error is below 0.01")
 
     # -- servers started here
     max_model_len: int | None = setting(None, help="vLLM --max-model-len; refused when the longest prompt + "
@@ -87,11 +97,12 @@ class EvalConfig(StageConfig):
         super().__post_init__()
 
     def validate(self) -> None:
+        positions.edges_of_flag(self.position_buckets)  # a bad --position-buckets: one line, here
         require(bool(self.store or self.prompts),
                 "nothing to evaluate: pass --store (offline) and/or --prompts (online)")
         require(self.startup_timeout is None or self.startup_timeout > 0,
                 f"--startup-timeout must be positive, not {self.startup_timeout}")
-        for name in ("max_offline_samples", "offline_tokens_per_batch", "num_prompts", "max_tokens"):
+        for name in ("max_offline_samples", "offline_tokens_per_batch", "num_prompts", "max_tokens", "sampled_repeats"):
             value = getattr(self, name)
             require(value >= 1, f"--{name.replace('_', '-')} must be at least 1, not {value}")
         require(self.offline_dtype in OFFLINE_DTYPES,
@@ -110,6 +121,10 @@ class EvalConfig(StageConfig):
             require(all(v >= 1 for v in values), f"--{name.replace('_', '-')} takes positive integers, "
                                                  f"not {','.join(map(str, values))}")
         require(bool(self.concurrency), "--concurrency needs at least one level, e.g. 1,4,16")
+        for name, values in (("k_sweep", self.k_sweep), ("concurrency", self.concurrency)):
+            twice = sorted({v for v in values if values.count(v) > 1})
+            require(not twice, f"--{name.replace('_', '-')} names {', '.join(map(str, twice))} more than once "
+                               f"({','.join(map(str, values))}): give each value once")
         require(len(self.ngram) == 2 and 1 <= self.ngram[0] <= self.ngram[1],
                 f"--ngram takes MIN,MAX with 1 <= MIN <= MAX, e.g. 2,5, not {','.join(map(str, self.ngram))}")
         # every arm named, whether or not --prompts runs them: a typo is never skipped silently
@@ -118,15 +133,20 @@ class EvalConfig(StageConfig):
         require(not unknown, f"--arms: unknown arm {', '.join(map(repr, unknown))}; 05 knows "
                              f"{', '.join(ARMS)}" if unknown else "")
         require(bool(arms), f"--arms names no arm; choose from {', '.join(ARMS)}")
+        twice = sorted({a for a in arms if arms.count(a) > 1})
+        require(not twice, f"--arms names {', '.join(twice)} more than once ({self.arms}): name each arm once")
         urls = self.urls  # a malformed --url is refused before any work
+        require(bool(urls) or not self.given("wait_for_server"),
+                "--wait-for-server waits for a server given by --base-url or --url, and every arm's server is "
+                "started here (--startup-timeout bounds its start): drop --wait-for-server")
         require(not self.k_sweep or "eagle3" in self.arm_list,
                 "--k-sweep serves the draft: it needs --prompts and the eagle3 arm in --arms")
         launch = self.given("max_model_len", "server_arg", "startup_timeout", "reasoning_parser")
         online = self.given("num_prompts", "concurrency", "arms", "base_url", "url", "ngram", "max_tokens",
-                            "temperature", "top_p", "seed", "timeout", "wait_for_server") + launch
+                            "timeout", "wait_for_server") + launch
         require(bool(self.prompts) or not online,
                 f"{', '.join(online)} set the online part, which runs only with --prompts: add --prompts or drop them")
-        offline = self.given("max_offline_samples", "offline_tokens_per_batch", "offline_dtype")
+        offline = self.given("max_offline_samples", "offline_tokens_per_batch", "offline_dtype", "sampled_repeats")
         require(bool(self.store) or not offline,
                 f"{', '.join(offline)} set the offline part, which runs only with --store: add --store or drop them")
         idle = [a for a in urls if a not in arms]
@@ -138,6 +158,14 @@ class EvalConfig(StageConfig):
                 f"{'them' if len(launch) > 1 else 'it'}")
         require(self.given("ngram") == [] or "ngram" in arms,
                 "--ngram sets the ngram arm, which --arms does not run: add ngram to --arms or drop --ngram")
+        record = [a for a in self.server_arg if a.split("=", 1)[0].strip() == RECORD_FLAG]
+        require(not record, f"--server-arg {record[0] if record else ''}: 05 starts each speculating server "
+                            f"with {RECORD_FLAG} detailed itself (and vLLM refuses it on arm none's): drop this "
+                            "--server-arg")
+
+    @property
+    def position_edges(self) -> tuple[int, ...]:
+        return positions.edges_of_flag(self.position_buckets)
 
     @property
     def arm_list(self) -> list[str]:
@@ -150,8 +178,14 @@ class EvalConfig(StageConfig):
         for item in self.url:
             arm, sep, url = item.partition("=")
             require(bool(sep) and arm in ARMS, f"--url {item!r}: expected ARM=URL with ARM one of {', '.join(ARMS)}")
+            require(arm not in urls, f"--url names a server for arm {arm} twice ({urls.get(arm)} and {url}): "
+                                     "give one")
+            check_url(f"--url {arm}=", url)
             urls[arm] = url
         if self.base_url:
+            require("eagle3" not in urls, f"--base-url and --url eagle3= both name arm eagle3's server ("
+                                          f"{self.base_url} and {urls.get('eagle3')}): give one")
+            check_url("--base-url", self.base_url)
             urls["eagle3"] = self.base_url
         return urls
 

@@ -4,7 +4,8 @@ one block of K + 1 queries) and each proposal is
 compared with the target's own greedy token; acceptance is the chain rule of
 `acceptance.chain_acceptance`, counted where vLLM drafts (its walk: after the prefill token, then
 accepted + 1 on), so the offline AL is the figure vLLM reports; `al_all_positions` is the
-every-position average."""
+every-position average. At a temperature above 0 a proposal is accepted with the target's
+probability of it instead (acceptance.sampled_walk: vLLM's verification of a greedy draft)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ from pathlib import Path
 
 import torch
 
-from eagle3_train.common.acceptance import chain_acceptance, draft_correctness, merge, summarize
+from eagle3_train.common import positions
+from eagle3_train.common.acceptance import (chain_acceptance, draft_correctness, merge, proposal_probs, sampled_walk,
+                                            summarize)
 from eagle3_train.common.config import TRAIN
 from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.hidden_checks import read_sample  # the same damaged-shard / NaN checks as training
 from eagle3_train.common.manifest import require_match
 from eagle3_train.common.progress import Progress
 from eagle3_train.common.split import is_heldout
-from eagle3_train.train.draft_core import draft_to_target
+from eagle3_train.train.draft_core import draft_to_target, unroll
 
 
 def heldout_ids(store_ids: Sequence[str], draft: dict) -> tuple[list[str], str]:
@@ -103,7 +106,8 @@ def draft_step_tokens(model, samples: list, k: int) -> list[list[torch.Tensor]]:
 
         out = [t[None] for t in block_draft_tokens(model, hs, ids, pos, docs, k)]
     else:
-        out = model(hidden_states=hs, input_ids=ids, document_ids=docs[None], position_ids=pos, ttt_steps=k)
+        # training's unroll (as 04 validates): the same masks, a --draft-window included, as vLLM runs it
+        out = [lg.argmax(-1) for lg in unroll(model, hs, ids, pos, docs, k)]
     to_target = draft_to_target(model)
     steps = [to_target(t[0]).cpu() for t in out]
     per_sample, a = [], 0
@@ -114,11 +118,23 @@ def draft_step_tokens(model, samples: list, k: int) -> list[list[torch.Tensor]]:
     return per_sample
 
 
+def first_drafted(n: int) -> torch.Tensor:
+    """[n] the sequence position of the first token drafted at each position of the frame of
+    draft_step_tokens: position j holds token j + 1, so its draft proposes token j + 2 first."""
+    return torch.arange(n) + 2
+
+
 def offline_eval(model, head, store, ids: Sequence[str], k: int, *,
-                 tokens_per_batch: int = 4096, log_path: Path | None = None, every_s: float = 10.0) -> dict:
-    """Chain acceptance of the draft against the target's greedy tokens over `ids`."""
+                 tokens_per_batch: int = 4096, log_path: Path | None = None, every_s: float = 10.0,
+                 edges: Sequence[int] = positions.EDGES, temperature: float = 0.0, top_p: float = 1.0,
+                 repeats: int = 32, seed: int = 0) -> dict:
+    """Chain acceptance of the draft against the target's greedy tokens over `ids`, also by the
+    position of each draft in its sequence (`edges`: the buckets' boundaries). With `temperature`
+    > 0, the figures are the sampled walk's (`sampled_figures`) and the greedy ones go under
+    "greedy"; "walk" says which."""
     lengths = {sid: store.length(sid) for sid in ids}
     stats, tokens, same, supervised = [], 0, 0, 0
+    parts = []  # the sampled walk's (p, valid, first position) per sample
     with Progress("05 offline", len(ids), log_path=log_path, every_s=every_s, unit="sample") as prog:
         for batch in _batches(ids, lengths, tokens_per_batch):
             samples = [s for s in (read_sample(store, sid) for sid in batch) if s.input_ids.shape[0] >= 2]
@@ -136,7 +152,9 @@ def offline_eval(model, head, store, ids: Sequence[str], k: int, *,
                 ref = greedy[1:]
                 ids_s, mask_s = s.input_ids[1:], s.loss_mask[1:]
                 correct, valid = draft_correctness(d, ids_s, mask_s, ref)
-                stats.append(chain_acceptance(correct, valid))
+                stats.append(chain_acceptance(correct, valid, first_drafted(len(ids_s)), edges))
+                if temperature > 0:
+                    parts.append((accept_probs(s, d, head, temperature, top_p), valid, first_drafted(len(ids_s))))
                 tokens += int(s.input_ids.shape[0])
                 m = s.loss_mask[1:].bool()
                 same += int((greedy[:-1][m] == s.input_ids[1:][m]).sum())
@@ -145,6 +163,41 @@ def offline_eval(model, head, store, ids: Sequence[str], k: int, *,
     if not stats:
         raise PipelineError(f"no held-out samples with at least 2 tokens in {store.directory}")
     counts = merge(stats)
-    return {**summarize(counts), "counts": counts, "k": k, "samples": len(stats), "tokens": tokens,
-            # How far the data is from the target's greedy choice: 1.0 = greedily generated.
-            "data_matches_greedy": same / supervised if supervised else None}
+    by_position = positions.block(counts.pop("by_position"))
+    out = {**summarize(counts), "counts": counts, "k": k, "samples": len(stats), "tokens": tokens,
+           "by_position": by_position, "walk": "greedy",
+           # How far the data is from the target's greedy choice: 1.0 = greedily generated.
+           "data_matches_greedy": same / supervised if supervised else None}
+    return sampled_figures(out, parts, temperature, top_p, repeats, seed, edges) if temperature > 0 else out
+
+
+def accept_probs(s, draft_tokens: list[torch.Tensor], head, temperature: float, top_p: float) -> torch.Tensor:
+    """p [K, n] in draft_step_tokens' frame: vLLM's acceptance probability of each proposal, the
+    target's probability of it at `temperature` / `top_p` (acceptance.proposal_probs), from the last
+    hidden state through the target's head (full vocabulary, in chunks) or the stored top-k."""
+    if s.last is not None and head is not None:
+        last = s.last[1:]  # frame row j = the target's distribution for token j + 2: its state at j + 1
+
+        def rows(a, b):
+            return head.normed(last[a:b].to(head.full.device)) @ head.full.T, None
+    elif s.topk_ids is not None:
+        def rows(a, b):
+            return s.topk_logprobs[1 + a:1 + b], s.topk_ids[1 + a:1 + b]
+    else:
+        raise PipelineError(f"sample {s.id} keeps neither the last hidden state nor top-k: the target's "
+                            "probabilities for the sampled walk are unknown")
+    return proposal_probs(draft_tokens, rows, temperature, top_p)
+
+
+def sampled_figures(greedy: dict, parts: list, temperature: float, top_p: float, repeats: int, seed: int,
+                    edges: Sequence[int]) -> dict:
+    """The offline result with the sampled walk's figures (acceptance.sampled_walk) in place of the
+    greedy walk's, which stay under "greedy". Its counts (and by_position's) are sums over the
+    draws; `drafts` is one draw's mean, the number vLLM would make."""
+    counts, mc = sampled_walk(parts, seed=seed, repeats=repeats, edges=edges)
+    by_position = positions.block(counts.pop("by_position"))
+    keep = ("k", "samples", "tokens", "data_matches_greedy")
+    rates = {**summarize(counts), "drafts": round(counts["drafts"] / max(mc["repeats"], 1))}
+    return {**rates, "counts": counts, "by_position": by_position, **{x: greedy[x] for x in keep},
+            "walk": "sampled", "temperature": temperature, "top_p": top_p, "seed": seed, **mc,
+            "greedy": {x: v for x, v in greedy.items() if x not in keep and x != "walk"}}

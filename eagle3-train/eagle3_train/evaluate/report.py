@@ -6,11 +6,13 @@ import json
 import shlex
 from pathlib import Path
 
+from eagle3_train.common import positions
 from eagle3_train.common.config import EVALUATE
 from eagle3_train.common.store import atomic_write_bytes, atomic_write_json, atomic_write_text
 from eagle3_train.evaluate.config import ARMS
 
 REPORT_JSON, REPORT_MD, PLOT = "report.json", "report.md", "acceptance.png"
+POSITIONS_PLOT = "acceptance_by_position.png"  # AL by position bucket, written when a part counted positions
 
 
 def _fmt(x, nd=2):
@@ -86,14 +88,111 @@ def build_report(run: dict, offline: dict | None, arms: dict[str, dict], sweep: 
     sw = k_sweep(sweep or {}, levels, base, offline_by_k or {})
     k = sw["recommended_k"] if sw else run["k"]
     target = run["target"]["name_or_path"]
+    by_position = position_series(run["k"], offline, arms, sweep, offline_by_k)
     return {"stage": EVALUATE, "k": run["k"], "method": method, "draft": run["draft"]["path"],
             "target": target,
             "offline": offline, "online": {"concurrency": levels, "arms": arms, "speedup_vs_none": speedup,
                                            "cpu": bool(cpu and arms), "repeats": 1},
             "sampling": run["online"].get("sampling") if arms else None,
-            "k_sweep": sw,
+            "k_sweep": sw, "by_position": by_position,
             "serve": {"k": k, "method": method,
                       "command": serve_line(target, run["draft"]["path"], method, k, reasoning_parser)}}
+
+
+def position_series(k: int, offline: dict | None, arms: dict[str, dict], sweep: dict[int, dict] | None,
+                    offline_by_k: dict[int, dict] | None) -> dict[str, dict]:
+    """report.json's `by_position`, one entry a part that counted drafts by position: `offline`, each
+    speculating arm (`eagle3`, `ngram`), and each other K of --k-sweep (`eagle3-k<K>`, `offline-k<K>`);
+    each entry the part's `by_position` with its `source` (offline / vllm) and K."""
+    out = {}
+
+    def put(name: str, source: str, kk: int, part: dict | None) -> None:
+        if part and part.get("by_position"):
+            out[name] = {"source": source, "k": kk, **part["by_position"]}
+
+    put("offline", "offline", k, offline)
+    for arm in ("eagle3", "ngram"):
+        put(arm, "vllm", k, arms.get(arm))
+    for kk in sorted(set(sweep or {}) | set(offline_by_k or {})):
+        if kk != k:
+            put(f"eagle3-k{kk}", "vllm", kk, (sweep or {}).get(kk))
+            put(f"offline-k{kk}", "offline", kk, (offline_by_k or {}).get(kk))
+    return out
+
+
+def _position_notes(name: str, part: dict) -> list[str]:
+    """What a reader must know before trusting an online part's table."""
+    notes = []
+    if part.get("no_record"):
+        notes.append(f"{part['no_record']} answers came without a record and are not counted.")
+    if part.get("positions_inexact"):
+        notes.append(f"positions_inexact: {part['positions_inexact']} of {part['requests']} answers have steps that "
+                     "do not account for all their tokens (the server decoded some steps without drafting), so "
+                     "their later drafts sit at approximate positions.")
+    if part.get("metrics_match") is False:
+        rec = part["records"]
+        notes.append(f"the records sum to {rec['drafts']} drafts / {rec['accepted']} accepted, not /metrics' "
+                     "figures: other requests reached the server during the run.")
+    return notes
+
+
+def render_positions(rep: dict) -> list[str]:
+    """report.md's section: a table per part of `by_position`, and the speculating arms without one."""
+    series = rep.get("by_position") or {}
+    missing = [arm for arm in ("eagle3", "ngram") if arm in rep["online"]["arms"] and arm not in series]
+    if not series and not missing:
+        return []
+    lines = ["## Acceptance along the answer", "",
+             "Drafts counted by the position (prompt + answer, in tokens) of their first drafted token: AL = 1 + "
+             "accepted / drafts, pJ = the share of drafts whose first J tokens were accepted. "
+             + (f"Plot: {POSITIONS_PLOT}." if series else ""), ""]
+    for name, part in series.items():
+        where = "offline (simulated)" if part["source"] == "offline" else f"vLLM {_label(rep, name.split('-k')[0])}"
+        lines += [f"### {where}, K = {part['k']}", "", positions.table(part["rows"], part["k"]), ""]
+        lines += [f"Note: {n}" for n in _position_notes(name, part)]
+        if lines[-1]:
+            lines.append("")
+    for arm in missing:
+        lines += [f"vLLM {_label(rep, arm)}: its server sent no per-request record (start it with "
+                  "--per-request-spec-decode-metrics detailed); AL overall is in the tables above.", ""]
+    return lines[:-1]  # the blank line after the last part
+
+
+def plot_positions(rep: dict, path: Path) -> bool:
+    """AL by position bucket, a line per part (offline dashed); False (nothing written) without parts."""
+    series = rep.get("by_position") or {}
+    if not series:
+        return False
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    edges = next(iter(series.values()))["edges"]
+    xs = list(range(len(edges)))
+    for name, part in series.items():
+        # an empty bucket is a gap, not a zero
+        ys = [r["acceptance_length"] if r["drafts"] else float("nan") for r in part["rows"]]
+        line, = ax.plot(xs[:len(ys)], ys, marker="o", linestyle="--" if part["source"] == "offline" else "-",
+                        label=f"{name} (K={part['k']})")
+        few = [(x, y) for x, y, r in zip(xs, ys, part["rows"]) if r["drafts"] and r["few"]]
+        if few:  # too few drafts to compare: an open marker
+            ax.plot(*zip(*few), "o", markerfacecolor="white", markeredgecolor=line.get_color(), linestyle="none")
+    ax.set_xticks(xs, positions.labels(edges))
+    ax.set(xlabel="position of the draft's first token (prompt + answer); open: under "
+                  f"{positions.MIN_DRAFTS} drafts", ylabel="acceptance length (AL)",
+           title="acceptance along the answer")
+    ax.set_ylim(bottom=0.9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+    return True
 
 
 def _label(rep: dict, arm: str) -> str:
@@ -176,6 +275,9 @@ def render_markdown(rep: dict) -> str:
         lines.append(f"Note: offline samples: {off.get('selection')}.")
     if eagle is None and arms:
         lines.append("No eagle3 arm was run.")
+    pos = render_positions(rep)
+    if pos:
+        lines += ([""] if lines[-1] else []) + pos
     serve = rep.get("serve")
     if serve:
         which = "recommended" if rep.get("k_sweep") else "evaluated"
@@ -232,4 +334,6 @@ def write_report(out: Path, rep: dict) -> str:
     atomic_write_json(out / REPORT_JSON, rep)
     atomic_write_text(out / REPORT_MD, md)
     plot_report(rep, out / PLOT)
+    if not plot_positions(rep, out / POSITIONS_PLOT):
+        (out / POSITIONS_PLOT).unlink(missing_ok=True)  # an earlier run's, no longer what report.json says
     return md

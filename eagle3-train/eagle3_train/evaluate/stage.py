@@ -9,6 +9,7 @@ Output directory:
   arms/<arm>.json   one online arm's result     } a rerun (resume = the parts still missing)
   arms/eagle3-k<K>.json  the draft served at another K (--k-sweep)
   report.json, report.md, acceptance.png, vllm-<arm>.log, progress.log
+  acceptance_by_position.png  AL by position bucket, when a part counted positions
   manifest.json     written last
 With --k-sweep, the K recommended is also written beside the draft, DRAFT/recommended_k.json (the
 export's own files are left as they are; 05 does not count that file in the draft's identity).
@@ -36,7 +37,7 @@ from eagle3_train.evaluate.draft import (
 )
 from eagle3_train.evaluate.offline import check_store, heldout_ids, offline_eval
 from eagle3_train.evaluate.online import run_arm
-from eagle3_train.evaluate.report import PLOT, REPORT_JSON, REPORT_MD, build_report, write_report
+from eagle3_train.evaluate.report import PLOT, POSITIONS_PLOT, REPORT_JSON, REPORT_MD, build_report, write_report
 
 OFFLINE = "offline.json"
 ARMS_DIR = "arms"
@@ -133,6 +134,14 @@ class Evaluation:
                 "store_manifest": json_sha256({k: v for k, v in store.manifest.items() if k not in VOLATILE}),
                 "ids_sha256": json_sha256(self.ids), "selection": self.selection,
                 "tokens_per_batch": config.offline_tokens_per_batch}
+            if config.temperature > 0:  # the sampled walk (only then: a greedy evaluation made before it resumes)
+                self.identity["offline"]["walk"] = {"temperature": config.temperature, "top_p": config.top_p,
+                                                    "seed": config.seed, "repeats": config.sampled_repeats}
+                if not store.has_last and not store.storage.get("topk"):
+                    raise PipelineError(f"--temperature {config.temperature}: the store {config.store} keeps neither "
+                                        "the last hidden state nor top-k, so the target's probabilities of the "
+                                        "proposals are unknown; pass a store 02 wrote with its last layer "
+                                        "(or --storage fp8-topk), or --temperature 0")
         if config.prompts:
             prompt_set = load_prompts(str(config.prompts), limit=config.num_prompts, flag="--prompts")
             self.prompts = prompt_set.prompts
@@ -162,6 +171,8 @@ class Evaluation:
         offline = load_part(path)
         if offline and "al_all_positions" not in offline:  # counted at every position (before vLLM's walk)
             offline = None
+        if offline and (offline.get("by_position") or {}).get("edges") != list(config.position_edges):
+            offline = None  # counted before by-position counts, or at other buckets
         if offline is None:
             print(f"[05] offline: {len(self.ids)} samples ({self.selection}), K={k}", flush=True)
             if self._offline_models is None:
@@ -173,10 +184,14 @@ class Evaluation:
             model, head = self._offline_models
             offline = offline_eval(model, head, self.store, self.ids, k,
                                    tokens_per_batch=config.offline_tokens_per_batch,
-                                   log_path=out / "progress.log", every_s=config.progress_every)
+                                   log_path=out / "progress.log", every_s=config.progress_every,
+                                   edges=config.position_edges, temperature=config.temperature,
+                                   top_p=config.top_p, repeats=config.sampled_repeats, seed=config.seed)
             offline |= {"selection": self.selection, "heldout": not self.selection.startswith("all")}
             atomic_write_json(path, offline)
-        print(f"[05] offline AL {offline['acceptance_length']:.3f} over {offline['samples']} samples (K={k})",
+        walk = (f", sampled walk at temperature {offline['temperature']}, {offline['repeats']} draws, "
+                f"standard error {offline['walk_se']:.4f}" if offline.get("walk") == "sampled" else "")
+        print(f"[05] offline AL {offline['acceptance_length']:.3f} over {offline['samples']} samples (K={k}{walk})",
               flush=True)
         return offline
 
@@ -187,13 +202,17 @@ class Evaluation:
         name = arm if k is None else f"{arm}-k{k}"
         path = out / ARMS_DIR / f"{name}.json"
         res = load_part(path)
+        edges = list(config.position_edges)
+        if res and arm != "none" and ("by_position" not in res or (res["by_position"] or {}).get("edges", edges)
+                                      != edges):
+            res = None  # a speculating arm measured before acceptance by position, or at other buckets
         if res is None:
             res = run_arm(arm, target=self.target, draft_dir=config.draft, k=k or self.k, ngram=tuple(config.ngram[:2]),
                           prompts=self.prompts, levels=config.concurrency, sampling=config.sampling,
                           url=config.urls.get(arm) if k is None else None, log_dir=out,
                           server_kwargs={**config.server_kwargs, "max_model_len": self.max_model_len},
                           timeout=config.timeout, every_s=config.progress_every, method=self.method, name=name,
-                          wait_s=config.wait_for_server)
+                          wait_s=config.wait_for_server, edges=config.position_edges)
             atomic_write_json(path, res)
         al = res["spec"]["acceptance_length"]
         print(f"[05] {name}: " + ", ".join(f"c={r['concurrency']} {r['output_tok_s']:.1f} tok/s"
@@ -226,7 +245,7 @@ class Evaluation:
             inputs["store"] = {**describe_file(config.store / "manifest.json"),
                                "stage": self.store.manifest.get("stage")}
         write_manifest(out, config.stage, config=config.to_dict(), inputs=inputs,
-                       outputs={n: n for n in (REPORT_JSON, REPORT_MD, PLOT)},
+                       outputs={n: n for n in (REPORT_JSON, REPORT_MD, PLOT, POSITIONS_PLOT) if (out / n).exists()},
                        counts={"offline_samples": offline["samples"] if offline else 0, "arms": len(results)},
                        tokenizer=self.tok_desc, target=self.target_desc)
 

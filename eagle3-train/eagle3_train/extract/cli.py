@@ -21,6 +21,7 @@ import sys
 
 from eagle3_train.common.config import join_dash_values
 from eagle3_train.common.errors import run_main
+from eagle3_train.common.server_wait import wait_seconds
 from eagle3_train.extract.config import BACKENDS, DTYPES, STORAGES, ExtractConfig
 
 
@@ -66,7 +67,7 @@ def parse_args(argv=None) -> ExtractConfig:
     vl.add_argument("--max-model-len", type=int, **C.arg("max_model_len"))
     vl.add_argument("--request-timeout", type=float, **C.arg("request_timeout"))
     vl.add_argument("--startup-timeout", type=float, **C.arg("startup_timeout"))
-    vl.add_argument("--wait-for-server", type=float, **C.arg("wait_for_server"))
+    vl.add_argument("--wait-for-server", type=wait_seconds, **C.arg("wait_for_server"))
     vl.add_argument("--served-model-name", **C.arg("served_model_name"))
     vl.add_argument("--vllm-args", **C.arg("vllm_args"))
 

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from eagle3_train.common.config import EXTRACT, StageConfig, require, setting
 from eagle3_train.common.formats import STORAGES
-from eagle3_train.common.server_wait import WAIT_DEFAULT_S, WAIT_HELP, check_wait
+from eagle3_train.common.server_wait import WAIT_DEFAULT_S, WAIT_HELP, check_url, check_wait
 from eagle3_train.common.vllm_server import STARTUP_HELP
 
 BACKENDS = ("hf", "vllm")
@@ -112,6 +112,8 @@ class ExtractConfig(StageConfig):
         require(self.storage in STORAGES, f"--storage {self.storage!r}: choose one of {', '.join(STORAGES)}")
         require(self.dtype in DTYPES, f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
         require(self.topk >= 1, f"--topk must be at least 1, not {self.topk}")
+        require(self.storage == "fp8-topk" or not self.given("topk"),
+                "--topk is the k of --storage fp8-topk: add --storage fp8-topk or drop --topk")
         require(self.startup_timeout is None or self.startup_timeout > 0,
                 f"--startup-timeout must be positive, not {self.startup_timeout}")
         check_wait(self.wait_for_server)
@@ -130,4 +132,11 @@ class ExtractConfig(StageConfig):
         require(self.backend == "vllm" or not served,
                 f"{', '.join(served)}: for --backend vllm (a vLLM server), but --backend is {self.backend}; "
                 f"add --backend vllm or drop {'them' if len(served) > 1 else 'it'}")
+        require(not (self.server_url and self.launch_server),
+                "--server-url names a running server and --launch-server starts one: give one")
+        if self.server_url:
+            check_url("--server-url", self.server_url)
+        require(bool(self.server_url) or not self.given("wait_for_server"),
+                "--wait-for-server waits for the server at --server-url; a launched one is waited for by "
+                "--startup-timeout: add --server-url or drop --wait-for-server")
         self.input = Path(self.input)

@@ -405,8 +405,11 @@ def extract_shards(backend, inp: InputSet, shards: Sequence[dict], out: Path, *,
                         writing, writing_bytes = None, 0
                     if hs.store_bytes(out) > max_store:
                         return False
-                hs.wait_for_room(out, max_store, writing_bytes, log_path=out / "progress.log", stage="02 extract",
-                                 every_s=progress_every)
+                # the shard being written counts until it is on disk (then as its real size), measured at every
+                # poll: a bound below one shard still moves as a follower consumes
+                w, est = writing, writing_bytes
+                hs.wait_for_room(out, max_store, 0, log_path=out / "progress.log", stage="02 extract",
+                                 every_s=progress_every, in_flight=lambda: 0 if w is None or w.done() else est)
                 ahead = writing_bytes + shard["tokens"] * bytes_per_token
             if prefetch is not None:
                 prefetch(records)

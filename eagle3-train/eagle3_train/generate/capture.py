@@ -392,13 +392,25 @@ class Capture:
             self._unwritten[f] = sum(s["length"] for _, s in batch if s is not None) * self.bpt
 
     def room(self) -> None:
-        """--max-store-gb: return once the store's shard bytes plus the shards handed to the writer fit
-        the bound. The shard being filled is not counted (only its commit lets 04 --consume free room:
-        counting it could wait forever), so the store holds at most the bound, one shard and the
-        --concurrency answers in flight."""
-        ahead = sum(b for f, b in list(self._unwritten.items()) if not f.done())
-        hs.wait_for_room(self.dir, int(self.cfg.max_store_gb * 1e9), ahead, log_path=self.dir / "progress.log",
-                         stage="01b capture")
+        """--max-store-gb: return once the store's shard bytes, the shards handed to the writer and the
+        connector's per-request files (answers the server saved, not yet read into a shard) fit the
+        bound. The shard being filled is not counted (only its commit lets 04 --consume free room:
+        counting it could wait forever), so the store and the connector's directory hold at most the
+        bound, one shard and the --concurrency answers in flight."""
+        # measured again at every poll: a shard counted while the writer had it is on disk (or consumed)
+        # once written, and counted twice or for ever otherwise (a bound below one shard never freed)
+        hs.wait_for_room(self.dir, int(self.cfg.max_store_gb * 1e9), 0, log_path=self.dir / "progress.log",
+                         stage="01b capture", in_flight=lambda: self.unwritten_bytes() + self.requests_on_disk())
+
+    def unwritten_bytes(self) -> int:
+        """Bytes of the shards handed to the writer and not yet on disk."""
+        return sum(b for f, b in list(self._unwritten.items()) if not f.done())
+
+    def requests_on_disk(self) -> int:
+        """Bytes of the per-request files in the connector's directory. Those of requests no run will
+        collect are swept first, so a leftover cannot hold the bound for ever."""
+        self._sweep()
+        return hs.request_bytes(self.req_dir)
 
     def _commit(self, batch: list[tuple[dict, dict | None]], k: int) -> None:
         """On the writer thread: journal -> shard + index line -> answers -> journal gone."""

@@ -54,8 +54,8 @@ class CaptureSettings(Settings):
         "--gpu-memory-utilization 0.85' (default: none)"))
     max_store_gb: float | None = _like_02("max_store_gb", resume=True, help=(
         "back-pressure for 04 --follow --consume: send no new request while the store's shards on disk (and those "
-        "being written) exceed this many GB (1e9 bytes); the store then holds at most it plus the shard being "
-        "filled plus --concurrency answers in flight (default: no bound)"))
+        "being written) and the server's per-request files not yet read exceed this many GB (1e9 bytes); the store "
+        "then holds at most it plus the shard being filled plus --concurrency answers in flight (default: no bound)"))
     device: str = _like_02("device", resume=True, help=(
         "where --storage fp8-topk's head (final norm + lm_head) runs: auto, cpu, cuda:1 ... (default: auto = "
         "the GPU with the most free memory if it fits there, else cpu)"))

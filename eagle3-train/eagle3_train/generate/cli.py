@@ -17,6 +17,7 @@ import sys
 
 from eagle3_train.common.config import join_dash_values
 from eagle3_train.common.errors import run_main
+from eagle3_train.common.server_wait import wait_seconds
 from eagle3_train.generate.capture_settings import add_capture_args
 from eagle3_train.generate.config import TRANSPORTS, GenerateConfig
 from eagle3_train.tokenize.config import add_tokenization_args
@@ -58,7 +59,7 @@ def parse_args(argv=None) -> GenerateConfig:
     g.add_argument("--concurrency-every", type=float, **C.arg("concurrency_every"))
     g.add_argument("--timeout", type=float, **C.arg("timeout"))
     g.add_argument("--connect-timeout", type=float, **C.arg("connect_timeout"))
-    g.add_argument("--wait-for-server", type=float, **C.arg("wait_for_server"))
+    g.add_argument("--wait-for-server", type=wait_seconds, **C.arg("wait_for_server"))
     g.add_argument("--max-retries", type=int, **C.arg("max_retries"))
     g.add_argument("--backoff-base", type=float, **C.arg("backoff_base"))
     g.add_argument("--backoff-max", type=float, **C.arg("backoff_max"))

@@ -10,7 +10,7 @@ from typing import ClassVar
 
 from eagle3_train.common.config import GENERATE, StageConfig, require, setting
 from eagle3_train.common.layout import ERRORS, PROGRESS_LOG, RAW, RAW_DIR_OUTPUTS  # noqa: F401 -- named here too
-from eagle3_train.common.server_wait import WAIT_DEFAULT_S, WAIT_HELP, check_wait
+from eagle3_train.common.server_wait import WAIT_DEFAULT_S, WAIT_HELP, check_url, check_wait
 from eagle3_train.common.errors import PipelineError
 from eagle3_train.generate.capture_settings import CaptureSettings
 from eagle3_train.generate.concurrency import EVERY_S, FIXED
@@ -125,6 +125,15 @@ class GenerateConfig(CaptureSettings, TokenizeSettings, StageConfig):
         require(kv is None or isinstance(kv, dict),
                 f"--extra-body's kv_transfer_params must be a JSON object (vLLM's connector parameters), not {kv!r}")
 
+    def check_endpoints(self) -> None:
+        """Each --base-url a reachable URL, and each once: a repeated one would get twice the load."""
+        seen: dict[str, str] = {}
+        for url in self.base_url or ():
+            check_url("--base-url", url)
+            key = url.rstrip("/")
+            require(key not in seen, f"--base-url {url!r} repeats {seen.get(key)!r}: give each endpoint once")
+            seen[key] = url
+
     def validate(self):
         if isinstance(self.concurrency, str) and self.concurrency != AUTO:
             try:
@@ -135,12 +144,21 @@ class GenerateConfig(CaptureSettings, TokenizeSettings, StageConfig):
         require(self.auto or self.concurrency >= 1,
                 f"--concurrency must be positive (or auto), not {self.concurrency}")
         require(self.max_concurrency >= 1, f"--max-concurrency must be positive, not {self.max_concurrency}")
-        require(self.concurrency_every > 0,
+        require(self.concurrency_every > 0 and math.isfinite(self.concurrency_every),
                 f"--concurrency-every must be positive (seconds), not {self.concurrency_every}")
+        # the controller's flags steer --concurrency auto only; beside a number they would be ignored
+        steering = self.given("max_concurrency", "concurrency_every")
+        require(self.auto or not steering,
+                f"{', '.join(steering)}: read only with --concurrency auto, and --concurrency is "
+                f"{self.concurrency}: drop {'them' if len(steering) > 1 else 'it'}, or pass --concurrency auto")
+        self.check_endpoints()
         require(self.max_retries >= 0, f"--max-retries must not be negative, not {self.max_retries}")
         require(self.timeout > 0, f"--timeout must be positive, not {self.timeout}")
         require(self.connect_timeout > 0, f"--connect-timeout must be positive, not {self.connect_timeout}")
         check_wait(self.wait_for_server)
+        require(bool(self.base_url) or not self.given("wait_for_server"),
+                "--wait-for-server waits for a server at --base-url; a launched or printed capture server "
+                "is waited for by --startup-timeout: drop --wait-for-server")
         require(self.backoff_base >= 0, f"--backoff-base must not be negative, not {self.backoff_base}")
         require(self.backoff_max >= 0, f"--backoff-max must not be negative, not {self.backoff_max}")
         require(self.abort_after >= 0, f"--abort-after must not be negative (0 = never), not {self.abort_after}")

@@ -221,6 +221,7 @@ class RunResult:
     text_derived: int = 0  # answers in the file whose ids were re-wrapped from text
     unretryable: str | None = None  # why the ids still failed, when no retry can fix it (no_retry_helps)
     states_reasked: int | None = None  # --capture-hidden-states: requests sent again for an unusable states file
+    fmt: object = None  # the ChatFormat loaded before the run (--tokenize): 01c's step reuses it, not a second load
 
 
 def _say(progress: Progress, line: str) -> None:
@@ -481,7 +482,7 @@ def run_generation(args) -> RunResult:
             text_derived = _write_manifest(out_dir, args, ps, answered, len(still_failed), stats)
         return RunResult(len(ps.ids), answered, len(still_failed), stats["interrupted"], stats["answered"],
                          stats["failed"], stats["tokens"], text_derived or 0, no_retry_helps(still_failed),
-                         cap.stats["states_reasked"] if cap is not None else None)
+                         cap.stats["states_reasked"] if cap is not None else None, fmt)
 
 
 def run(cfg) -> int:
@@ -511,7 +512,7 @@ def run(cfg) -> int:
         from eagle3_train.common.tokenization import chat_format_from_args
         from eagle3_train.tokenize.dataset import build_training_set
 
-        fmt = chat_format_from_args(cfg, default_tokenizer=cfg.model)
+        fmt = res.fmt or chat_format_from_args(cfg, default_tokenizer=cfg.model)
         build_training_set(cfg.output_dir, cfg.output_dir / "tokenized", fmt,
                            tokenizer_name=cfg.tokenizer or cfg.model, max_seq_len=cfg.max_seq_len,
                            loss_on=cfg.loss_on, keep_length=cfg.keep_length, progress_every=cfg.progress_every)

@@ -299,8 +299,23 @@ def _acceptance(out: Path) -> dict:
         return {}
     rep = json.loads(path.read_text())
     spec = (((rep.get("online") or {}).get("arms") or {}).get("eagle3") or {}).get("spec") or {}
+    # acceptance along the answer: vLLM's (the draft's arm) where 05 counted it, else the offline walk's
+    series = rep.get("by_position") or {}
+    name = next((n for n in ("eagle3", "offline") if n in series), None)
     return {"vllm": spec.get("acceptance_length"), "offline": (rep.get("offline") or {}).get("acceptance_length"),
-            "k": rep.get("k")}
+            "k": rep.get("k"), "by_position": {"name": name, **series[name]} if name else None}
+
+
+def position_lines(al: dict) -> list[str]:
+    """pilot_report.md's table of 05's acceptance by position (none when 05 did not count it)."""
+    from eagle3_train.common import positions
+
+    part = al.get("by_position")
+    if not part:
+        return []
+    where = "in vLLM" if part["name"] == "eagle3" else "offline (simulated)"
+    return ["", f"## 05: acceptance along the answer, {where}, K = {part['k']}", "",
+            positions.table(part["rows"], part["k"])]
 
 
 def build_report(cfg, out: Path, drv: Driver, keys: list[str], screen: dict, failed) -> dict:
@@ -352,6 +367,7 @@ def format_report(rep: dict) -> str:
         lines.append(f"| {r['stage']} | {r['status']} | {r['seconds']} s | {note} |")
     lines += ["", f"**Verdict: {rep['verdict']}**"]
     lines += [f"- {r}" for r in rep["reasons"]]
+    lines += position_lines(al)
     if rep["screen"]:
         lines += ["", "```", format_screen(rep["screen"]), "```"]
     full = rep.get("full_run_01b")

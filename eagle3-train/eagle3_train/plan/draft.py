@@ -96,7 +96,13 @@ def dflash_activations(shape, f) -> int:
     H, I, S, a = shape.hidden, shape.intermediate, f.max_tokens_per_batch, f.act_bytes
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     block = blocks(f)
-    anchors = min(f.block_anchors, max(1, int(S * f.supervised_fraction)))
+    cand = max(1, int(S * f.supervised_fraction))
+    if f.block_anchors is None:  # 04's default: a fixed number over the packed batch
+        anchors = min(512, cand)
+    elif f.block_anchors < 1:  # a share of each sequence's supervised positions
+        anchors = max(1, int(cand * f.block_anchors))
+    else:  # a count per sequence, times the sequences a batch holds
+        anchors = min(cand, int(f.block_anchors) * max(1, int(S // max(f.tokens_per_sample, 1))))
     queries = anchors * block
     per_query = (6 * H + 3 * q + 4 * kv + 4 * I) * a
     context = S * (2 * H + 4 * kv) * a

@@ -81,7 +81,7 @@ class Flags:
     draft_arch: str = "auto"  # 04's --draft-arch: auto is the MLA layer for an MLA target, else Llama
     num_speculative_tokens: int | None = None  # 04's (common/formats.py:speculative_tokens)
     block_size: int | None = None  # 04's --block-size (common/formats.py:dflash_block)
-    block_anchors: int = 512  # 04's --block-anchors
+    block_anchors: float | None = None  # 04's --block-anchors (None: 512 a packed batch)
     supervised_fraction: float = 0.95  # of a batch's tokens, the answers' (a long reasoning answer after its prompt)
     norm_before_fc: bool = True  # 04's default: n_aux x H norm weights before fc (either layer)
     gpus: int = 8

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -43,8 +44,15 @@ class SplitConfig(StageConfig):
     def validate(self):
         if Path(self.input).exists():  # a rerun from another directory is the same split
             self.input = str(Path(self.input).resolve())
+            source = Path(self.input)
+            # the split is written over the file it reads: the held-out prompts would leave the input for good
+            ours = source.name in (TRAIN_FILE, HELDOUT_FILE) and source.parent == Path(self.output_dir).resolve()
+            require(not ours,
+                    f"--input {source} is one of the files 01 writes into --output-dir {self.output_dir}: "
+                    "pass another --output-dir")
         require(self.limit is None or self.limit >= 1, f"--limit must be >= 1, not {self.limit}")
-        require(self.heldout > 0, f"--heldout must be positive (a count, or a fraction below 1), not {self.heldout:g}")
+        require(self.heldout > 0 and math.isfinite(self.heldout),
+                f"--heldout must be positive (a count, or a fraction below 1), not {self.heldout:g}")
         require(self.heldout < 1 or self.heldout == int(self.heldout),
                 f"--heldout {self.heldout:g}: a count must be a whole number (a fraction is below 1)")
         if self.heldout >= 1:

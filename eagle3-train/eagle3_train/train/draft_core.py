@@ -153,6 +153,52 @@ def dense_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (keep | (pos[:, None] == pos[None, :]))[None, None]
 
 
+def window_of(model) -> int | None:
+    """The draft's attention window (keys a query sees, vLLM's `sliding_window`), None: full attention.
+    speculators reads it from the layer config's `layer_types` / `sliding_window` (draft.layer_config)."""
+    return getattr(model, "sliding_window", None) if getattr(model, "sliding_window_indices", None) else None
+
+
+def window_mask_mod(doc_ids: torch.Tensor, position_ids: torch.Tensor, window: int, step: int) -> Callable:
+    """The mask of TTT step `step` (0-based) under a window, as a flex mask_mod over the step's keys
+    [step-0 context | the drafts of steps 1..step]: what vLLM's sliding window lets the draft see.
+    vLLM runs draft step k of a drafting position p as a query at position p + k over the cache, in
+    which positions <= p hold the context (step 0) and p + 1..p + k the earlier drafts; its backends
+    (flash-attn's window (N - 1, 0), the CPU kernel) keep the keys at positions q - N + 1..q of a query
+    at q. So step k keeps the context keys with p - pos < N - k and the draft of step m while k - m < N;
+    speculators' own windowed mask keeps the step-0 window at every step, k positions wider than vLLM's."""
+    total = doc_ids.shape[0]
+    pos = position_ids.reshape(-1)
+
+    def mod(_b, _h, q, kv):
+        i, m = kv % total, kv // total
+        context = (m == 0) & (doc_ids[q] == doc_ids[i]) & (doc_ids[q] != -1) & (q >= i) \
+            & (pos[q] + step - pos[i] < window)
+        return context | ((i == q) & (step - m < window))  # padding attends only to itself, as speculators'
+    return mod
+
+
+def window_dense_mask(doc_ids: torch.Tensor, position_ids: torch.Tensor, window: int, step: int) -> torch.Tensor:
+    """window_mask_mod's mask as a dense bool [1, 1, S, (step + 1) * S], built directly (tested equal)."""
+    pos = position_ids.reshape(-1)
+    idx = torch.arange(doc_ids.shape[0], device=doc_ids.device)
+    eye = idx[:, None] == idx[None, :]
+    context = (doc_ids[:, None] == doc_ids[None, :]) & (doc_ids[:, None] != -1) & (idx[:, None] >= idx[None, :]) \
+        & (pos[:, None] + step - pos[None, :] < window)
+    blocks = [context | (eye & (step < window))] + [eye & (step - m < window) for m in range(1, step + 1)]
+    return torch.cat(blocks, -1)[None, None]
+
+
+def window_mask(model, doc_ids: torch.Tensor, position_ids: torch.Tensor, window: int, step: int):
+    """The windowed mask of TTT step `step` in the form the model's attention takes: dense bool for
+    sdpa, 0/-inf for eager, a BlockMask for flex."""
+    if model._attn_impl == "sdpa":
+        return window_dense_mask(doc_ids, position_ids, window, step)
+    total = doc_ids.shape[0]
+    return model._create_mask_fn(window_mask_mod(doc_ids, position_ids, window, step), B=None, H=None,
+                                 Q_LEN=total, KV_LEN=(step + 1) * total, device=doc_ids.device)
+
+
 def head(model, state: torch.Tensor) -> torch.Tensor:
     """Draft logits from what `unroll(..., states=True)` yields (any subset of its rows)."""
     return model.lm_head(state if model.config.norm_output else model.norm(state))
@@ -164,14 +210,20 @@ def unroll(model, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
     0..steps-1 (with `states`, the head's input [1, S, H] instead, so a caller can apply the head
     to the rows it needs only). Step k at packed position j predicts token j+k+1 of the (shifted)
     input; its input is the ground-truth token (teacher forcing) and the draft's own hidden state
-    of step k-1, and it attends to the step-0 context of its document plus its own earlier steps."""
+    of step k-1, and it attends to the step-0 context of its document plus its own earlier steps; under
+    a window (window_of), each step sees what vLLM's sliding window lets it see (window_mask_mod)."""
     from speculators.models.eagle3.attention import extend_dense_mask_for_draft_tokens, extend_mask_for_draft_tokens
     from transformers import DynamicCache
 
     total = aux.shape[1]
     device = aux.device
     cache = DynamicCache()
-    mask = dense_mask(doc_ids) if model._attn_impl == "sdpa" else model._build_attn_mask(doc_ids, total, device)
+    window = window_of(model)
+    windowed = set(model.sliding_window_indices) if window else set()
+    step_positions = position_ids  # the step-0 positions the window is measured from
+    mask = None  # the full-attention mask, built only when a layer attends without the window
+    if len(windowed) < len(model.layers):
+        mask = dense_mask(doc_ids) if model._attn_impl == "sdpa" else model._build_attn_mask(doc_ids, total, device)
     flex = model._attn_impl == "simple_flex_attention"
     hidden = aux
     if model.input_norm is not None:
@@ -186,14 +238,16 @@ def unroll(model, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torc
         hidden = torch.cat([embeds, hidden], dim=-1)
         rope = model.rotary_emb(hidden, position_ids)
         cache_position = torch.arange(k * total, (k + 1) * total, dtype=torch.long, device=device)
-        for layer in model.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                           cache_position=cache_position, position_embeddings=rope)
+        win = window_mask(model, doc_ids, step_positions, window, k) if windowed else None
+        for i, layer in enumerate(model.layers):
+            hidden = layer(hidden, attention_mask=win if i in windowed else mask, position_ids=position_ids,
+                           past_key_values=cache, cache_position=cache_position, position_embeddings=rope)
         if model.config.norm_output:
             hidden = model.norm(hidden)
         yield hidden if states else head(model, hidden)
         if k + 1 == steps:
             break
         ids = torch.cat([input_ids[:, 1 + k:], input_ids.new_zeros(1, 1 + k)], dim=-1)
-        mask = extend_mask_for_draft_tokens(mask) if flex else extend_dense_mask_for_draft_tokens(mask, total)
+        if mask is not None:
+            mask = extend_mask_for_draft_tokens(mask) if flex else extend_dense_mask_for_draft_tokens(mask, total)
         position_ids = position_ids + 1

@@ -3,7 +3,8 @@
 
 What it is: a Qwen3-style stack that drafts a whole block in one forward. The block's queries are
 the anchor token (the target's last accepted token, vLLM's bonus token) and block - 1 mask tokens at
-the positions after it; they attend to each other without a causal mask and to the context, whose
+the positions after it; they attend to each other (all of them, or with --block-causal each to the
+ones before it) and to the context, whose
 keys/values are `hidden_norm(fc(concatenated aux states))` of every earlier token. Slot i >= 1 of a
 block anchored at token p drafts token p + i.
 
@@ -20,7 +21,8 @@ Where speculators 0.9.0 stops or differs from what vLLM 0.32 serves:
   narrower than the target gets `fc` rebuilt (as draft.py does for EAGLE-3);
 - vLLM turns `sliding_window_non_causal: false` (speculators' default) into `causal: true` for every
   layer (transformers_utils/configs/speculators/algos.py:update_dflash), while speculators trains full
-  attention non-causally; the export writes `true`, so vLLM attends inside the block as trained;
+  attention non-causally; the export writes it as the block trained (`true` for a non-causal block) and
+  `is_causal`, which vLLM reads first, so vLLM attends inside the block as trained;
 - the mask slots' input: vLLM embeds `mask_token_id` with `embed_tokens` unless the export ships a
   `mask_embedding.pt` (qwen3_dflash.py:_read_mask_embedding). embed_tokens stays the target's frozen
   copy here, so the mask embedding is a trained vector of its own (`mask_embedding`), shipped so.
@@ -46,9 +48,11 @@ def build_dflash_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t
                        intermediate_size: int | None = None, num_layers: int = 1, num_heads: int | None = None,
                        num_kv_heads: int | None = None, speculative_tokens: int | None = None,
                        train_embeddings: bool = False, train_lm_head: bool = False, attn_impl: str = "sdpa",
-                       init_std: float = 0.02, seed: int = 0):
-    """A fresh DFlash draft for `target`: `num_layers` Qwen3 layers, blocks of `block_size`, the mask
-    slots fed `mask_token_id` (default: the target's last vocab id) and a trained mask embedding."""
+                       init_std: float = 0.02, seed: int = 0, causal: bool = False, window: int | None = None):
+    """A fresh DFlash draft for `target`: `num_layers` Qwen3 layers, blocks of `block_size` (`causal`:
+    each slot sees the slots before it only; `window`: every layer sees the last `window` positions,
+    written as vLLM reads it: `layer_types` sliding_attention + `sliding_window`), the mask slots fed
+    `mask_token_id` (default: the target's last vocab id) and a trained mask embedding."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
@@ -61,14 +65,17 @@ def build_dflash_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t
     # compiles a mask builder of its own (a CUDA-only follow-up).
     lc = layer_config(target_cfg, arch="qwen3", hidden_size=hidden_size, intermediate_size=intermediate_size,
                       num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                      attn_impl="eager" if attn_impl == "eager" else "sdpa")
+                      attn_impl="eager" if attn_impl == "eager" else "sdpa", window=window)
+    # vLLM's per-layer causality reads `is_causal` first (qwen3_dflash.py:_dflash_layer_causal); the
+    # `causal` its speculators loader derives from sliding_window_non_causal is set to agree
+    lc.is_causal = bool(causal)
     vocab = tc.vocab_size
     draft_vocab = vocab if d2t is None else int(d2t.shape[0])
     mask_id = vocab - 1 if mask_token_id is None else int(mask_token_id)
     config = DFlashSpeculatorConfig(
         transformer_layer_config=lc, draft_vocab_size=draft_vocab, block_size=block_size,
         target_hidden_size=tc.hidden_size, aux_hidden_state_layer_ids=list(aux_layer_ids), mask_token_id=mask_id,
-        sliding_window_non_causal=True, sample_from_anchor=False,
+        sliding_window_non_causal=not causal, sample_from_anchor=False,
         speculators_config=SpeculatorsConfig(
             algorithm="dflash",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=speculative_tokens or block_size - 1)],
@@ -80,6 +87,8 @@ def build_dflash_draft(target: str, target_cfg, *, aux_layer_ids: list[int], d2t
     torch.manual_seed(seed)
     model = DFlashDraftModel(config)
     model.is_dflash = True
+    model.block_causal = bool(causal)
+    model.draft_window = int(window) if window else None
     wide = lc.hidden_size == tc.hidden_size
     if not wide:
         model.fc = nn.Linear(len(aux_layer_ids) * tc.hidden_size, lc.hidden_size, bias=False)
@@ -111,22 +120,33 @@ def make_dflash_draft(config, inp, weights: dict | None, attn_impl: str = "sdpa"
         intermediate_size=config.draft_intermediate_size, num_layers=config.draft_layers,
         num_heads=config.draft_heads, num_kv_heads=config.draft_kv_heads,
         speculative_tokens=config.spec_tokens, train_embeddings=config.train_embeddings,
-        train_lm_head=config.train_lm_head, attn_impl=attn_impl, seed=config.seed)
+        train_lm_head=config.train_lm_head, attn_impl=attn_impl, seed=config.seed, causal=config.causal_block,
+        window=config.draft_window)
 
 
 # ----------------------------------------------------------------------------- the block forward
 
-def block_mask(doc: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Tensor:
+def block_mask(doc: torch.Tensor, anchors: torch.Tensor, block: int, causal: bool = False,
+               window: int | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
     """bool [1, 1, n*block, L + n*block]: block j's queries see the context rows 0..anchors[j] of
     their document (row i holds the aux state of the token before input i, so row anchors[j] is the
     anchor token's predecessor: what vLLM's context holds when it drafts after the anchor) and every
-    query of their own block (non-causal); nothing of other blocks."""
+    query of their own block (`causal`: the queries up to their own only); nothing of other blocks.
+    `window` (with `pos` [L], the input tokens' positions): a query at position p sees only the keys
+    at p - window + 1 .. p (vLLM's sliding window; context row i sits at pos[i] - 1)."""
     n, length = anchors.numel(), doc.shape[0]
     q_anchor = anchors.repeat_interleave(block)
     kv = torch.arange(length, device=doc.device)
     ctx = (doc[None, :] == doc[q_anchor][:, None]) & (doc[None, :] >= 0) & (kv[None, :] <= q_anchor[:, None])
     blk = torch.arange(n, device=doc.device).repeat_interleave(block)
     own = blk[:, None] == blk[None, :]
+    if causal:
+        slot = torch.arange(n * block, device=doc.device)
+        own &= slot[None, :] <= slot[:, None]
+    if window:
+        q_pos = pos[q_anchor] + torch.arange(block, device=doc.device).repeat(n)
+        ctx &= (q_pos[:, None] - (pos[None, :] - 1)) < window
+        own &= (q_pos[:, None] - q_pos[None, :]).abs() < window
     return torch.cat([ctx, own], dim=1)[None, None]
 
 
@@ -136,7 +156,8 @@ def run_blocks(model, aux: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, d
     packed stretch: aux [1, L, n_aux*H_target], ids / pos [1, L], doc [L]). Anchor j's block is the
     token ids[anchors[j]] then block - 1 mask slots, at positions pos[anchors[j]] + 0..block-1; the
     context row i sits at pos[i] - 1 (its token's own position, as vLLM's context positions).
-    `block` (default: the trained one) is what vLLM runs at num_speculative_tokens K: K + 1 queries."""
+    `block` (default: the trained one) is what vLLM runs at num_speculative_tokens K: K + 1 queries;
+    the draft's `block_causal` (its export's is_causal) says whether a slot sees later slots."""
     block = block or model.block_size
     ctx = model.hidden_norm(model.fc(aux))
     n = anchors.numel()
@@ -146,7 +167,8 @@ def run_blocks(model, aux: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, d
     q_pos = pos[0, anchors][:, None] + torch.arange(block, device=pos.device)
     positions = torch.cat([pos[0] - 1, q_pos.reshape(-1)])[None]
     rope = model.rotary_emb(ctx, positions)
-    mask = block_mask(doc, anchors, block)
+    mask = block_mask(doc, anchors, block, causal=getattr(model, "block_causal", False),
+                      window=getattr(model, "draft_window", None), pos=pos[0])
     hidden = q.reshape(1, n * block, -1)
     for layer in model.layers:
         hidden = layer(target_hidden=ctx, hidden_states=hidden, attention_mask=mask, position_ids=positions,
@@ -190,6 +212,10 @@ def load_dflash_draft(draft_dir: Path, target: Path):
     state = read_weights(draft_dir)
     model = DFlashDraftModel(config)
     model.is_dflash = True
+    lc = config.transformer_layer_config
+    model.block_causal = bool(getattr(lc, "is_causal", False))
+    sliding = set(getattr(lc, "layer_types", None) or []) == {"sliding_attention"}
+    model.draft_window = int(lc.sliding_window) if sliding and getattr(lc, "sliding_window", None) else None
     fc = state.get("fc.weight")
     if fc is not None and fc.shape != model.fc.weight.shape:  # narrower than the target (see build)
         model.fc = nn.Linear(fc.shape[1], fc.shape[0], bias=False)
@@ -237,12 +263,19 @@ def export_dflash(model, out_dir: Path, *, extra: dict | None = None) -> Path:
     want = {"speculators_model_type": "dflash", "aux_hidden_state_layer_ids": list(c.aux_hidden_state_layer_ids),
             "mask_token_id": c.mask_token_id, "draft_vocab_size": c.draft_vocab_size,
             "target_hidden_size": c.target_hidden_size, "sample_from_anchor": False,
-            "sliding_window_non_causal": True}
+            "sliding_window_non_causal": not model.block_causal}
     for key, val in want.items():
         if cfg.get(key) != val:
             raise RuntimeError(f"export config.json has {key}={cfg.get(key)!r}, expected {val!r}")
     if cfg["transformer_layer_config"].get("model_type") != "qwen3":
         raise RuntimeError("export config.json: vLLM's DFlash draft is a qwen3 stack")
+    if cfg["transformer_layer_config"].get("is_causal") is not model.block_causal:
+        raise RuntimeError(f"export config.json: is_causal is not {model.block_causal}, as the draft trained")
+    layer = cfg["transformer_layer_config"]
+    if (window := getattr(model, "draft_window", None)) and (
+            layer.get("sliding_window") != window or set(layer.get("layer_types") or []) != {"sliding_attention"}):
+        raise RuntimeError(f"export config.json lacks the draft's window {window} (layer_types "
+                           f"{layer.get('layer_types')}, sliding_window {layer.get('sliding_window')})")
     with safe_open(str(tmp / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
     need = {"fc.weight", "hidden_norm.weight", "norm.weight"}

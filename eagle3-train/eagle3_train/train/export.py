@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from eagle3_train.common import positions
 from eagle3_train.common.manifest import describe_target, write_manifest
 from eagle3_train.train.config import EXPORT, METRICS, STAGE
 from eagle3_train.train.draft import export_draft, resolve_arch
 from eagle3_train.train.draft_core import load_target_weights
-from eagle3_train.train.metrics import plot_curves, read_metrics
+from eagle3_train.train.metrics import last_by_position, plot_curves, plot_positions, read_metrics
 from eagle3_train.train.model import make_draft
 
 EXPORT_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -45,10 +46,13 @@ def export(trainer, identity: dict) -> dict:
             from eagle3_train.train.draft_dflash import export_dflash as write
         write(draft.to(EXPORT_TORCH_DTYPES[config.export_dtype]), out / EXPORT, extra=info)
         curves = plot_curves(out, config.loss)
+        by_pos = last_by_position(out)
+        pos_plot = plot_positions(out)
         result = write_manifest(
             out, STAGE, config=config.to_dict(), inputs=identity,
             outputs={"export": str((out / EXPORT).resolve()), "checkpoint": str(valid.get(pick, "")),
-                     "curves": str(curves) if curves else None, "metrics": str(out / METRICS)},
+                     "curves": str(curves) if curves else None, "metrics": str(out / METRICS),
+                     "al_by_position": str(pos_plot) if pos_plot else None},
             counts={"steps": trainer.total_steps, "exported_step": pick, "train_samples": len(plan.train),
                     "val_samples": len(plan.val), "dropped_short": plan.dropped,
                     "cut_train_samples": plan.cut["train"]["samples"], "cut_val_samples": plan.cut["val"]["samples"]},
@@ -56,14 +60,18 @@ def export(trainer, identity: dict) -> dict:
             split={"rule": SPLIT.replace("heldout_fraction", "val_fraction"), "val_fraction": config.val_fraction,
                    "val_ids": sorted(plan.val)},
             recipe=trainer.length, best=best, final_val=(read_metrics(out).get("val") or [None])[-1],
+            by_position=by_pos["by_position"] if by_pos else None,  # final_val's (its step), at --position-buckets
             target=describe_target(trainer.inp.target_cfg, config.target),
             tokenizer=trainer.inp.store.manifest.get("tokenizer"), layer_ids=trainer.inp.aux_ids,
             draft={"arch": resolve_arch(config.draft_arch, trainer.inp.target_cfg), "hidden_size": draft.config.transformer_layer_config.hidden_size,
                    "target_hidden_size": draft.config.target_hidden_size,
                    "draft_vocab_size": draft.config.draft_vocab_size})
         print(f"exported step {pick} to {out / EXPORT}"
-              + (f" (validation AL {best['acceptance_length']:.3f} with {config.draft_steps} draft tokens)"
+              + (f" (validation AL {best['acceptance_length']:.3f} with {config.val_steps} draft tokens)"
                  if best["acceptance_length"] else ""))
+        if by_pos:
+            print(f"validation acceptance by position (step {by_pos['step']}, {config.val_steps} draft tokens):\n"
+                  + positions.table(by_pos["by_position"]["rows"], config.val_steps), flush=True)
     d.barrier()
     return result
 

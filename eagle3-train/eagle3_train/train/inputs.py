@@ -63,8 +63,9 @@ def open_inputs(config: TrainConfig, dtype: torch.dtype = torch.float32) -> Inpu
     aux_ids = aux_layers(config.aux_layer_ids, stored_aux, tc.num_hidden_layers, store.directory)
     missing = [i for i in aux_ids if i not in stored_aux]
     if missing:
-        raise PipelineError(f"layer ids mismatch: {store.directory} holds aux layers {stored_aux}, "
-                            f"but the draft config asks for {aux_ids}")
+        raise PipelineError(f"--aux-layer-ids {','.join(map(str, aux_ids))}: layer {', '.join(map(str, missing))} "
+                            f"is not in {store.directory}, which holds aux layers {stored_aux}: pass a subset of "
+                            f"them, or extract the store again with 02 --layers")
     if config.follow:  # its shards come later (or are consumed already): the header says what they hold
         topk = not store.has_last
     else:

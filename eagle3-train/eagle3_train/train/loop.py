@@ -26,7 +26,16 @@ from eagle3_train.common.store import atomic_write_json
 from eagle3_train.train import flex
 from eagle3_train.train.budget import choose_length, choose_lr, parse_budget
 from eagle3_train.train.checkpoint import Checkpointer
-from eagle3_train.train.config import CKPT_DIR, EXIT_FOLLOW_TIMEOUT, EXPORT, SCHEDULE, STAGE, STOPPED, TrainConfig
+from eagle3_train.train.config import (
+    BATCH_ANCHORS,
+    CKPT_DIR,
+    EXIT_FOLLOW_TIMEOUT,
+    EXPORT,
+    SCHEDULE,
+    STAGE,
+    STOPPED,
+    TrainConfig,
+)
 from eagle3_train.train.data import Loader, make_plan, shifted
 from eagle3_train.train.dist import Dist, setup_dist
 from eagle3_train.train.draft import lr_lambda, step_norms
@@ -34,7 +43,7 @@ from eagle3_train.train.follow import FollowTimeout, Starved
 from eagle3_train.train.inputs import Inputs, input_identity, open_inputs
 from eagle3_train.train.metrics import Meter, Recorder
 from eagle3_train.train.model import build_model, draft_arch
-from eagle3_train.train.objective import batch_metrics, combine, prepare
+from eagle3_train.train.objective import batch_metrics, combine, prepare, sampled_stats
 from eagle3_train.train.recipe import build_optimizers, time_steps
 
 
@@ -88,6 +97,11 @@ def resolve_draft(config: TrainConfig, inp, out: Path) -> None:
         if arch == "dflash" and was.get("block_size", 0) is None and config.block_size is None:
             config.block_size = config.num_speculative_tokens + 1
             aliases["block_size"] = (None, config.block_size)
+        if arch == "dflash" and was.get("block_anchors") == BATCH_ANCHORS and config.block_anchors is None:
+            aliases["block_anchors"] = (BATCH_ANCHORS, None)  # recorded when the default was written as its count
+        if arch == "dflash" and "block_causal" not in was and config.block_causal is None:
+            config.block_causal = False  # recorded before the flag: its blocks trained non-causal
+            aliases["block_causal"] = (None, False)
     if aliases:
         config.record_aliases = aliases
     config.draft_arch = arch
@@ -95,6 +109,8 @@ def resolve_draft(config: TrainConfig, inp, out: Path) -> None:
     if arch == "dflash":
         config.block_size = config.blocks
     config.num_speculative_tokens = config.spec_tokens
+    if arch == "dflash":
+        config.block_causal = config.causal_block
     config.norm_before_residual, config.norm_output = step_norms(arch, config.norm_before_residual,
                                                                  config.norm_output)
 
@@ -380,17 +396,23 @@ class Trainer:
         if not self.plan.val:
             return None
         model, d, batches = self.model, self.d, self.loader.val_batches
-        meter = Meter(self.config.draft_steps)
+        edges = self.config.position_edges
+        meter = Meter(self.config.val_steps, edges=edges)
         mine = batches[d.rank::d.world]
         model.objective.eval()
         with torch.no_grad():
             for i in range(-(-len(batches) // d.world)):
                 batch = self.loader.collate(mine[i] if i < len(mine) else batches[0]).to(d.device, d.dtype)
-                batch = prepare(batch, model.head, self.config.draft_steps, self.group_tokens)
+                batch = prepare(batch, model.head, self.config.val_steps, self.group_tokens)
                 with d.autocast():
                     draft_tokens, loss, metrics = model.wrapped(batch)
                 if i < len(mine):
-                    meter.add(float(loss), batch_metrics(batch, draft_tokens, metrics, model.to_target))
+                    part = batch_metrics(batch, draft_tokens, metrics, model.to_target, edges)
+                    if self.config.val_temperature > 0:  # as vLLM verifies sampled requests; seeded by the batch
+                        part["chain"] = sampled_stats(batch, draft_tokens, model.to_target, model.head,
+                                                      self.config.val_temperature,
+                                                      self.config.seed * 1_000_003 + d.rank + i * d.world, edges)
+                    meter.add(float(loss), part)
         model.objective.train()
         return meter.reduce(d)
 
@@ -451,6 +473,10 @@ class Trainer:
                       f"than --max-sample-tokens {cut[part]['max_sample_tokens']} and cut: {cut[part]['tokens']:,} "
                       f"tokens ({cut[part]['token_share']:.1%} of the {part} tokens) are not {part}ed on",
                       flush=True)
+        if c.draft_window and c.draft_window >= cut["longest"]:  # the window never cuts a trained context
+            print(f"warning: --draft-window {c.draft_window} is not shorter than the longest sample "
+                  f"({cut['longest']:,} tokens): the draft trains as with full attention and meets its window only "
+                  f"in vLLM, on longer answers", flush=True)
         print(f"{STAGE}: {len(plan.train)} train / {len(plan.val)} val samples ({plan.dropped} too short, "
               f"{cut['own_batch']} longer than --max-tokens-per-batch {self.config.max_tokens_per_batch} in a "
               f"batch of their own, longest {cut['longest']:,} tokens), {plan.steps_in(0)} steps/epoch x "
@@ -467,6 +493,7 @@ class Trainer:
               f"({self.length['why']}); {c.optimizer} lr {self.lr['lr']:g} ({self.lr['lr_why']}) {c.schedule}, "
               + (f"DFlash block {c.blocks}, " if c.draft_arch == "dflash" else f"TTT {c.ttt_steps}, ")
               + f"loss {c.loss}, norm_before_fc {'on' if c.norm_before_fc else 'off'}"
+              + (f", attention window {c.draft_window}" if c.draft_window else "")
               + ("" if c.draft_arch == "dflash" else
                  ", norm_before_residual {}, norm_output {}".format(
                      *("on" if on else "off" for on in step_norms(draft_arch(c, self.inp), c.norm_before_residual,

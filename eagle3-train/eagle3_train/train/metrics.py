@@ -9,17 +9,19 @@ from pathlib import Path
 
 import torch
 
+from eagle3_train.common import positions
 from eagle3_train.common.acceptance import empty, flatten, merge, summarize, unflatten
 from eagle3_train.common.progress import Progress
 from eagle3_train.common.store import JsonlWriter, atomic_write_bytes, read_jsonl
-from eagle3_train.train.config import METRICS
+from eagle3_train.train.config import METRICS, POSITIONS_PLOT
 
 
 class Meter:
     """Sums over a log interval (or a validation pass); plain numbers so they can be checkpointed."""
 
-    def __init__(self, steps: int, state: dict | None = None):
+    def __init__(self, steps: int, state: dict | None = None, edges: tuple[int, ...] | None = None):
         self.steps = steps
+        self.edges = edges  # validation's: its acceptance is counted by position too (the chain's by_position)
         self.s = state or {"loss": 0.0, "n": 0, "loss_sum": [0.0] * steps, "loss_cnt": [0.0] * steps,
                            "tokens": 0, "chain": None, "grad_norm": 0.0}
 
@@ -40,18 +42,23 @@ class Meter:
         s = self.s
         chain = merge([s["chain"] or empty(self.steps)])
         flat = [s["loss"], s["n"], s["tokens"], s["grad_norm"], *s["loss_sum"], *s["loss_cnt"], *flatten(chain)]
+        n_flat = len(flat)
+        if self.edges is not None:  # a rank without batches adds zeros of the same length
+            flat += positions.flatten((s["chain"] or {}).get("by_position") or positions.empty(self.steps, self.edges))
         t = d.sum(torch.tensor(flat, dtype=torch.float64, device=d.device)).tolist()
         k = self.steps
         loss, n, tokens, gn = t[:4]
         ls, lc = t[4:4 + k], t[4 + k:4 + 2 * k]
-        rates = summarize(unflatten(t[4 + 2 * k:], k))
+        rates = summarize(unflatten(t[4 + 2 * k:n_flat], k))
+        by_position = {} if self.edges is None else {
+            "by_position": positions.block(positions.unflatten(t[n_flat:], k, self.edges))}
         # acceptance_length / acc_cum / al_by_depth: vLLM's walk (what it would report);
         # al_all_positions: a draft at every supervised position (higher when acceptance is bursty).
         return {"loss": loss / max(n, 1), "loss_by_step": [a / b if b else None for a, b in zip(ls, lc)],
                 "acc_cond": rates["conditional"], "acc_cum": rates["cumulative"],
                 "acceptance_length": rates["acceptance_length"], "al_by_depth": rates["al_by_depth"],
                 "al_all_positions": rates["al_all_positions"], "acc_cum_all_positions": rates["cumulative_all_positions"],
-                "drafts": rates["drafts"], "tokens": int(tokens), "grad_norm": gn / max(n, 1)}
+                "drafts": rates["drafts"], "tokens": int(tokens), "grad_norm": gn / max(n, 1), **by_position}
 
 
 class Recorder:
@@ -162,5 +169,48 @@ def plot_curves(run_dir: Path, loss: str) -> Path | None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     path = Path(run_dir) / "curves.png"
+    atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
+def last_by_position(run_dir: Path) -> dict | None:
+    """The last validation record that counted acceptance by position (step, AL, by_position)."""
+    val = [r for r in read_metrics(run_dir).get("val", []) if r.get("by_position")]
+    return val[-1] if val else None
+
+
+def plot_positions(run_dir: Path) -> Path | None:
+    """al_by_position.png: the last validation's acceptance length by where its drafts stand (the
+    first drafted token's position in prompt + answer), each bar with its drafts; a bucket with
+    fewer than positions.MIN_DRAFTS drafts is grey (too few to compare)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    last = last_by_position(run_dir)
+    if last is None:
+        return None
+    rows = last["by_position"]["rows"]
+    k = last["by_position"]["counts"]["k"]
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    xs = list(range(len(rows)))
+    als = [r["acceptance_length"] or 0.0 for r in rows]
+    ax.bar(xs, als, color=["lightgrey" if r["few"] else "C0" for r in rows])
+    for x, r, al in zip(xs, rows, als):
+        ax.annotate(f"{r['drafts']:,} drafts" if r["drafts"] else "no drafts", (x, al), ha="center",
+                    va="bottom", fontsize=7)
+    ax.axhline(last["acceptance_length"], ls="--", color="grey", lw=1,
+               label=f"every bucket together {last['acceptance_length']:.3f}")
+    ax.set_xticks(xs, [r["bucket"] for r in rows])
+    ax.set_xlabel("position of the draft's first token (prompt + answer)")
+    ax.set_ylabel(f"acceptance length, {k} tokens")
+    ax.set_title(f"validation at step {last['step']}: acceptance length by position", fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    path = Path(run_dir) / POSITIONS_PLOT
     atomic_write_bytes(path, buf.getvalue())
     return path

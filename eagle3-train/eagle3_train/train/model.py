@@ -9,9 +9,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from eagle3_train.common.config import require
 from eagle3_train.train import draft as D
 from eagle3_train.train import draft_core as core
-from eagle3_train.train.config import TrainConfig
+from eagle3_train.train.config import MLA_WINDOW, TrainConfig
 from eagle3_train.train.dist import Dist, wrap
 from eagle3_train.train.inputs import Inputs
 from eagle3_train.train.objective import Objective
@@ -24,6 +25,7 @@ def draft_arch(config: TrainConfig, inp: Inputs) -> str:
     anything is written, so a draft the target cannot have is refused in one line."""
     dims = mla_dims(config)
     arch = D.resolve_arch(config.draft_arch, inp.target_cfg, dims)
+    require(arch != "mla" or config.draft_window is None, MLA_WINDOW)  # auto resolved to the MLA layer
     if arch == "mla":
         from eagle3_train.train.draft_mla import mla_layer_config
 
@@ -54,7 +56,7 @@ def make_draft(config: TrainConfig, inp: Inputs, weights: dict, attn: str = "sdp
                          speculative_tokens=config.spec_tokens,
                          train_embeddings=config.train_embeddings, train_lm_head=config.train_lm_head,
                          attn_impl=ATTN_IMPL[attn], seed=config.seed,
-                         mla_dims=dims)
+                         mla_dims=dims, window=config.draft_window)
 
 
 @dataclass
@@ -99,7 +101,8 @@ def build_model(config: TrainConfig, inp: Inputs, d: Dist) -> TrainModel:
         from eagle3_train.train.objective_dflash import BlockObjective
 
         objective = BlockObjective(draft, config.blocks, config.block_gamma, config.block_anchors,
-                                   kernels["loss_impl"], inp.topk, tgt2draft, loss=config.loss).to(d.device)
+                                   kernels["loss_impl"], inp.topk, tgt2draft, loss=config.loss,
+                                   serve=config.spec_tokens, block_loss=config.block_loss).to(d.device)
     else:
         objective = Objective(draft, config.ttt_steps, config.step_weights, kernels["loss_impl"], inp.topk,
                               tgt2draft, loss=config.loss).to(d.device)

