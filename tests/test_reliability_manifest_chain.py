@@ -122,7 +122,7 @@ def test_04_refuses_a_vocab_mapping_built_for_another_target(real, tmp_path, cap
 def test_04_refuses_layer_ids_the_store_does_not_hold(real, tmp_path, capfd):
     res = run_inprocess("04_train", train_argv(real["hs"], real["vocab"], real["target"], tmp_path / "run",
                                                preset=CHAIN_TRAIN, aux_layer_ids="1,3,6"), capfd)
-    assert_one_error_line(res, "layer ids", "[2, 4, 5]", "[1, 3, 6]")
+    assert_one_error_line(res, "--aux-layer-ids 1,3,6", "layers 1, 3, 6 are not in", "[2, 4, 5]", "02 --layers")
 
 
 def test_05_refuses_a_store_with_other_layers_than_the_draft_reads(real, tmp_path, capfd):

@@ -63,9 +63,11 @@ def open_inputs(config: TrainConfig, dtype: torch.dtype = torch.float32) -> Inpu
     aux_ids = aux_layers(config.aux_layer_ids, stored_aux, tc.num_hidden_layers, store.directory)
     missing = [i for i in aux_ids if i not in stored_aux]
     if missing:
-        raise PipelineError(f"--aux-layer-ids {','.join(map(str, aux_ids))}: layer {', '.join(map(str, missing))} "
-                            f"is not in {store.directory}, which holds aux layers {stored_aux}: pass a subset of "
-                            f"them, or extract the store again with 02 --layers")
+        few = len(missing) == 1
+        raise PipelineError(f"--aux-layer-ids {','.join(map(str, aux_ids))}: layer{'' if few else 's'} "
+                            f"{', '.join(map(str, missing))} {'is' if few else 'are'} not in {store.directory}, which "
+                            f"holds aux layers {stored_aux}: pass a subset of them, or extract the store again with "
+                            "02 --layers")
     if config.follow:  # its shards come later (or are consumed already): the header says what they hold
         topk = not store.has_last
     else:
