@@ -828,6 +828,29 @@ def test_a_last_shard_of_held_out_samples_does_not_deadlock_a_bounded_producer(i
     assert read_metrics(tmp_path / "run")["val"][-1]["step"] == man["counts"]["steps"]
 
 
+@pytest.mark.parametrize("held", [0, 2], ids=["first", "middle"])
+def test_an_open_ended_shard_of_held_out_samples_is_consumed_without_waiting_for_a_step(inputs, tmp_path,
+                                                                                         monkeypatch, held):
+    """Open-ended (as 01b's capture): a shard whose samples are all held out has no training batch, so no
+    step ever lies after it; under a one-shard bound the producer waits for it to go. 04 counts it trained
+    once the steps reached it (at step 0 when it came first), checkpoints and deletes it, and the producer
+    goes on. 01b's capture met this in CI, when its first answers were held-out ids."""
+    from eagle3_train.common import split as split_mod
+
+    store = tmp_path / "store"
+    entries = sorted(hs.committed_shards(inputs["store"]).values(), key=lambda e: e["k"])
+    held_ids = set(entries[PERMUTED[held]]["ids"])
+    monkeypatch.setattr(split_mod, "is_heldout", lambda sid, frac: sid in held_ids)
+    seen = record_training(monkeypatch)
+    bound = min(e["bytes"] for e in entries) - 1  # one shard at a time
+    with Producer(inputs["store"], store, bound=bound, order=PERMUTED, open_ended=True) as prod:
+        man = run(stage.parse_args(argv(inputs, store, tmp_path / "run", save_every=2, follow_timeout=60)))
+    assert prod.error is None and shards_left(store) == []
+    assert sorted(man["split"]["val_ids"]) == sorted(held_ids)
+    assert Counter(seen) == Counter(i for e in entries for i in e["ids"] if i not in held_ids and e["lengths"][
+        e["ids"].index(i)] >= 3)
+
+
 def test_under_torchrun_no_rank_leaves_a_follow_timeout_before_rank_0_wrote_stopped_json(tmp_path):
     """torchrun kills the other ranks once one exits non-zero, so the record the driver loop reads
     (exit 75 arrives as 1) must be on disk before any rank leaves: the stop waits at a barrier

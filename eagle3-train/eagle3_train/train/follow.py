@@ -386,13 +386,14 @@ class Follow:
     # -- consumption
 
     def trained(self, step: int) -> set[int]:
-        """Shards every batch of which lies before `step` (all taken ones once the pass is over)."""
+        """Shards every batch of which lies before `step` (all taken ones once the pass is over). A shard
+        without a training batch (all held out or too short) counts once the steps reached it, at step 0
+        when it came first: a bounded producer may be waiting for it to go before it writes the next."""
         done = step * self.plan.per_step
         with self.lock:
             if step >= self.plan.total_steps and self.all_taken():
                 return set(self.arrivals)
-            return {k for k in self.arrivals
-                    if (self.start[k] + len(self.batches[k]) <= done if self.batches[k] else self.start[k] < done)}
+            return {k for k in self.arrivals if self.start[k] + len(self.batches[k]) <= done}
 
     def state(self, step: int) -> dict:
         """What a checkpoint at `step` records: the arrival order, and (--consume) the shards it
