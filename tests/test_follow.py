@@ -803,6 +803,24 @@ def test_01b_capture_writes_its_header_and_waits_for_room(tmp_path, tiny_reasone
     assert {k: header[k] for k in hs.HEADER_KEYS} == {k: man[k] for k in hs.HEADER_KEYS}
 
 
+def test_01b_capture_reuses_the_tokenizer_01b_loaded(tmp_path, tiny_reasoner_dir, monkeypatch):
+    """01b --tokenize loads the chat format before the run; the capture takes that one (a second load of a
+    real tokenizer costs seconds to minutes) unless --target names another model than --model."""
+    from eagle3_train.common import tokenization
+    from eagle3_train.generate import capture as cx
+    from eagle3_train.generate.config import GenerateConfig
+
+    cfg = GenerateConfig(input=str(tmp_path / "p.jsonl"), output_dir=tmp_path / "out", model=str(tiny_reasoner_dir),
+                         base_url=["http://127.0.0.1:9/v1"], capture_hidden_states=True, tokenize=True)
+    fmt = tokenization.chat_format_from_args(cfg, default_tokenizer=cfg.model)
+    loads = []
+    load = tokenization.chat_format_from_args
+    monkeypatch.setattr(tokenization, "chat_format_from_args", lambda *a, **k: loads.append(k) or load(*a, **k))
+    assert cx.Capture(cfg, tmp_path / "out", fmt=fmt).fmt is fmt and loads == []
+    cfg.model, cfg.target = "served-name", str(tiny_reasoner_dir)  # the tokenizer follows --target then
+    assert cx.Capture(cfg, tmp_path / "out", fmt=fmt).fmt is not fmt and len(loads) == 1
+
+
 def test_a_last_shard_of_held_out_samples_does_not_deadlock_a_bounded_producer(inputs, tmp_path, monkeypatch):
     """Training can end before the last shard arrives (here it holds only held-out samples); the last
     validation waits for it while the producer waits for room: 04 checkpoints (deleting what it

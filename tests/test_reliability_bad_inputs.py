@@ -780,3 +780,14 @@ def test_03_draft_vocab_size_past_the_target_is_clamped_with_one_warning(chain, 
     assert warned == [f"warning: --draft-vocab-size 10000000 exceeds the target vocabulary; using {v} (all of it; "
                       f"pass --draft-vocab-size {v} or less to choose)"], res.stderr
     assert m.draft_vocab_size == v and m.manifest["draft_vocab_size"] == v
+
+
+@pytest.mark.parametrize("which, needle", [("missing", "no such directory"), ("empty", "holds none of tokenizer.json")])
+def test_01c_tokenizer_path_that_is_no_tokenizer(which, needle, raw_dir, tmp_path, capfd):
+    """A --tokenizer path that is missing or holds no tokenizer is named as such (not read as a hub id)."""
+    tok = tmp_path / which
+    if which == "empty":
+        tok.mkdir()
+    raw = raw_input(raw_dir, tmp_path, lambda i, r: r)
+    before = snapshot(raw)
+    refused(run01c(raw, tmp_path / "tok", tok, capfd), {raw: before}, tmp_path / "tok", str(tok), needle)

@@ -255,9 +255,22 @@ def tokenize_sample(sample: dict, fmt: ChatFormat, *, max_seq_len: int | None = 
 
 # ----------------------------------------------------------------------------- command line
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model", "vocab.json")
+
+
 def load_tokenizer(name_or_path: str):
+    """A local directory or a hub id; a path that is no tokenizer directory is refused by name (transformers
+    would read it as a malformed hub id)."""
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    path = Path(name_or_path).expanduser()
+    if path.is_absolute() or name_or_path.startswith((".", "~")) or path.exists():
+        if not path.is_dir():
+            raise PipelineError(f"tokenizer {name_or_path!r}: no such directory (give the model's directory or a hub id)")
+        if not any((path / f).is_file() for f in TOKENIZER_FILES):
+            raise PipelineError(f"tokenizer {name_or_path!r}: the directory holds none of {', '.join(TOKENIZER_FILES)}")
     try:
         return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=True)
     except (OSError, ValueError) as e:

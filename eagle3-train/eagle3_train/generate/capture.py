@@ -140,7 +140,7 @@ class Capture:
     client_class = CaptureClient
     extra_body = staticmethod(extra_body)
 
-    def __init__(self, cfg, out_dir: Path):
+    def __init__(self, cfg, out_dir: Path, fmt=None):
         from eagle3_train.common.target import target_info
         from eagle3_train.common.target_layout import check_vocab
         from eagle3_train.common.tokenization import chat_format_from_args
@@ -157,7 +157,9 @@ class Capture:
             raise PipelineError(f"--topk {self.topk} exceeds the target's vocabulary of {vocab}")
         self.bpt = hs.bytes_per_token(cfg.storage, len(self.aux_ids), self.H, self.topk)
         self.shard_tokens = hs.shard_tokens_for(cfg.shard_mb, self.bpt)
-        self.fmt = chat_format_from_args(cfg, default_tokenizer=self.name)
+        # 01b's --tokenize loaded one already (from --tokenizer or --model): the same unless --target names another
+        same = fmt is not None and (cfg.tokenizer or cfg.model) == (cfg.tokenizer or self.name)
+        self.fmt = fmt if same else chat_format_from_args(cfg, default_tokenizer=self.name)
         self.tokenizer = describe_tokenizer(self.fmt.tokenizer, cfg.tokenizer or self.name)
         check_vocab(vocab, self.tokenizer["vocab_size"], self.name)
         self.dir = Path(out_dir) / HIDDEN

@@ -432,7 +432,7 @@ def run_generation(args) -> RunResult:
         if args.capture_hidden_states:  # target, layers, tokenizer checked; nothing written yet
             from eagle3_train.generate.capture import Capture
 
-            cap = Capture(args, out_dir)
+            cap = Capture(args, out_dir, fmt=fmt)
         rerun.prepare(args, {**source_identity(args, ps.source), **(cap.identity() if cap is not None else {})})
         text_fmt = fmt if args.allow_text_fallback else None
         raw_path, err_path = out_dir / RAW, out_dir / ERRORS
