@@ -384,8 +384,8 @@ def _fake_01b(root: Path, model: Path, mp: pytest.MonkeyPatch) -> list[str]:
                                + "\n" for i in range(3)))
     real_init = cx.Capture.__init__
 
-    def init(self, cfg, out_dir):
-        real_init(self, cfg, out_dir)
+    def init(self, cfg, out_dir, **kw):
+        real_init(self, cfg, out_dir, **kw)
         _FakeServer.conn = _Connector(self)
 
     mp.setattr(cx.Capture, "__init__", init)

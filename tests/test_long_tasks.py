@@ -98,6 +98,8 @@ def test_long_bench_refuses_bad_flags_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and word in err, err
     assert not (tmp_path / "root").exists()
+    # the windowed EAGLE-3 arm and the seed-1 pair the window is judged against are arms the script runs
+    assert bench.parse_args(["--arms", "eagle3-w256,eagle3-s1,eagle3-w256-s1"]).arms.count("w256") == 2
 
 
 @pytest.mark.slow

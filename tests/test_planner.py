@@ -107,12 +107,13 @@ def test_04_memory_of_the_mla_draft_matches_the_plan(tmp_path, mla_inputs, extra
 
 
 @pytest.mark.parametrize("extra", [(), ("--block-size", "4"),
-                                   ("--max-tokens-per-batch", "512", "--block-size", "8", "--block-anchors", "0.1")])
+                                   ("--max-tokens-per-batch", "512", "--block-size", "8", "--block-anchors", "0.1"),
+                                   ("--block-size", "4", "--draft-layers", "2")])
 def test_04_memory_of_the_dflash_draft_matches_the_plan(tmp_path, mla_inputs, extra):
     """The DFlash block draft on an MLA target (the plan builds it as 04 does); what it keeps grows
     with the blocks' queries (anchors x block) and their dense scores over each sample's context,
     not with TTT steps: the plan follows at block 8 (the default) and 4 and fewer anchors (a tenth of
-    each sequence's supervised positions)."""
+    each sequence's supervised positions), and with two draft layers."""
     rows, flags = memory.compare(stage_cli("04_train").parse_args(
         inputs_argv(mla_inputs, tmp_path / "r", "--draft-arch", "dflash", *extra)))
     print({k: round(r["ratio"], 3) for k, r in rows.items() if r["ratio"]})

@@ -160,7 +160,7 @@ def right(token: int, pos: int, k: int) -> bool:
     return (token * 31 + pos * 7 + k * 3) % 5 != 0
 
 
-def fake_step_tokens(model, samples: list, k: int) -> list[list[torch.Tensor]]:
+def fake_step_tokens(model, samples: list, k: int, aux_index=None) -> list[list[torch.Tensor]]:
     """Stands in for offline.draft_step_tokens, in its frame (position j holds token j + 1): step k at
     j proposes token j + 2 + k of the sample when `right` says so, else a token that never matches."""
     out = []

@@ -94,7 +94,8 @@ def compare(cfg) -> tuple[dict, object]:
                           train_lm_head=cfg.train_lm_head, train_embeddings=cfg.train_embeddings,
                           optimizer=cfg.optimizer, draft_arch=cfg.draft_arch,  # resolved by the Trainer
                           num_speculative_tokens=cfg.num_speculative_tokens, block_size=cfg.block_size,
-                          block_anchors=cfg.block_anchors, supervised_fraction=got["supervised"] / got["tokens"])
+                          block_anchors=cfg.block_anchors, supervised_fraction=got["supervised"] / got["tokens"],
+                          draft_layers=cfg.draft_layers)
     plan = planner.train_memory(shape, flags)
     rows = {k: {"planned": plan[k], "measured": got[k], "ratio": plan[k] / got[k] if got[k] else None} for k in PARTS}
     return rows, flags

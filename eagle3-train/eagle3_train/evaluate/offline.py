@@ -54,17 +54,22 @@ def _store_aux_ids(store) -> list[int]:
     return ids[:-1] if n is not None and ids and ids[-1] == n else ids
 
 
-def check_store(store, cfg: dict, target_desc: dict) -> None:
-    """Refuse a store made for another target, or with other layers than the draft reads."""
+def check_store(store, cfg: dict, target_desc: dict) -> list[int] | None:
+    """Refuse a store made for another target, or without the layers the draft reads; the positions
+    of those layers in the store's aux axis when it holds more (None: all of them, in order)."""
     theirs = store.manifest.get("target") or {}
     for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
         if key in theirs:
             require_match(f"target {key}", target_desc[key], theirs[key], source=str(store.directory))
     from eagle3_train.evaluate.draft import aux_layer_ids
 
-    want = aux_layer_ids(cfg)
-    if want:
-        require_match("auxiliary layer ids", list(want), _store_aux_ids(store), source=str(store.directory))
+    want, stored = aux_layer_ids(cfg), _store_aux_ids(store)
+    if not want or list(want) == stored:
+        return None
+    if set(want) <= set(stored):  # a store made for several drafts (04 reads such a subset too)
+        return [stored.index(i) for i in want]
+    require_match("auxiliary layer ids", list(want), stored, source=str(store.directory))
+    return None
 
 
 def _batches(ids: Sequence[str], lengths: dict[str, int], tokens_per_batch: int):
@@ -80,7 +85,7 @@ def _batches(ids: Sequence[str], lengths: dict[str, int], tokens_per_batch: int)
 
 
 @torch.no_grad()
-def draft_step_tokens(model, samples: list, k: int) -> list[list[torch.Tensor]]:
+def draft_step_tokens(model, samples: list, k: int, aux_index: list[int] | None = None) -> list[list[torch.Tensor]]:
     """Run the draft over several samples packed into one sequence and return, per sample, the
     K proposals (target vocabulary) at each drafting position, in the frame of
     `acceptance.draft_correctness`: position j holds token t = j + 1 and the features of j.
@@ -93,7 +98,7 @@ def draft_step_tokens(model, samples: list, k: int) -> list[list[torch.Tensor]]:
     hs, ids, docs, pos = [], [], [], []
     for d, s in enumerate(samples):
         n = s.input_ids.shape[0] - 1
-        hs.append(s.aux[:-1].flatten(1))
+        hs.append((s.aux[:-1] if aux_index is None else s.aux[:-1, aux_index]).flatten(1))
         ids.append(s.input_ids[1:])
         docs.append(torch.full((n,), d, dtype=torch.long))
         pos.append(torch.arange(1, n + 1))
@@ -127,9 +132,10 @@ def first_drafted(n: int) -> torch.Tensor:
 def offline_eval(model, head, store, ids: Sequence[str], k: int, *,
                  tokens_per_batch: int = 4096, log_path: Path | None = None, every_s: float = 10.0,
                  edges: Sequence[int] = positions.EDGES, temperature: float = 0.0, top_p: float = 1.0,
-                 repeats: int = 32, seed: int = 0) -> dict:
+                 repeats: int = 32, seed: int = 0, aux_index: list[int] | None = None) -> dict:
     """Chain acceptance of the draft against the target's greedy tokens over `ids`, also by the
-    position of each draft in its sequence (`edges`: the buckets' boundaries). With `temperature`
+    position of each draft in its sequence (`edges`: the buckets' boundaries; `aux_index`: the
+    store's aux layers the draft reads, check_store's). With `temperature`
     > 0, the figures are the sampled walk's (`sampled_figures`) and the greedy ones go under
     "greedy"; "walk" says which."""
     lengths = {sid: store.length(sid) for sid in ids}
@@ -138,7 +144,7 @@ def offline_eval(model, head, store, ids: Sequence[str], k: int, *,
     with Progress("05 offline", len(ids), log_path=log_path, every_s=every_s, unit="sample") as prog:
         for batch in _batches(ids, lengths, tokens_per_batch):
             samples = [s for s in (read_sample(store, sid) for sid in batch) if s.input_ids.shape[0] >= 2]
-            drafts = draft_step_tokens(model, samples, k) if samples else []
+            drafts = draft_step_tokens(model, samples, k, aux_index) if samples else []
             for s, d in zip(samples, drafts):
                 if s.last is not None and head is not None:
                     # Over the full vocab in chunks of tokens: [T, V] logits never exist at once.

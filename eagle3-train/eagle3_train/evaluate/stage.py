@@ -119,11 +119,11 @@ class Evaluation:
         self.draft_desc = describe_draft(config.draft)
         self.identity = {"k": self.k, "draft": self.draft_desc, "target": self.target_desc,
                          "tokenizer": self.tok_desc, "offline": None, "online": None}
-        self.store = None
+        self.store, self.aux_index = None, None
         self._offline_models = None  # (draft, target head), loaded once for every K
         if config.store:
             self.store = store = HiddenStates(config.store)
-            check_store(store, cfg, self.target_desc)
+            self.aux_index = check_store(store, cfg, self.target_desc)
             if store.manifest.get("tokenizer"):
                 require_match("tokenizer fingerprint", self.tok_desc["fingerprint"],
                               store.manifest["tokenizer"].get("fingerprint"), source=str(config.store))
@@ -186,7 +186,8 @@ class Evaluation:
                                    tokens_per_batch=config.offline_tokens_per_batch,
                                    log_path=out / "progress.log", every_s=config.progress_every,
                                    edges=config.position_edges, temperature=config.temperature,
-                                   top_p=config.top_p, repeats=config.sampled_repeats, seed=config.seed)
+                                   top_p=config.top_p, repeats=config.sampled_repeats, seed=config.seed,
+                                   aux_index=self.aux_index)
             offline |= {"selection": self.selection, "heldout": not self.selection.startswith("all")}
             atomic_write_json(path, offline)
         walk = (f", sampled walk at temperature {offline['temperature']}, {offline['repeats']} draws, "

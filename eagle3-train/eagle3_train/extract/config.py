@@ -41,8 +41,9 @@ class ExtractConfig(StageConfig):
                            help="hf: transformers on CPU/GPU(s); vllm: a vLLM server with extract_hidden_states "
                                 "(default: hf)")
     layers: str | None = setting(None, resume=True,
-                                 help="auxiliary layer ids, comma-separated; id i = input of layer i "
-                                      "(default: vLLM's 2,N//2,N-3)")
+                                 help="auxiliary layer ids, comma-separated; id i = input of layer i; "
+                                      "dflash:N = the N layers a DFlash draft of N layers reads with 04 "
+                                      "--target-layers per-draft-layer (default: vLLM's 2,N//2,N-3)")
     dtype: str = setting("auto", resume=True,
                          help="compute dtype of the hf target (default: auto = bfloat16 on GPU, float32 on CPU)")
     device: str = setting("auto", resume=True,

@@ -28,6 +28,7 @@ import torch
 from eagle3_train.common import hidden_store as hs
 from eagle3_train.common import rerun
 from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.formats import dflash_target_layers
 from eagle3_train.common.hidden_checks import validate_shard
 from eagle3_train.common.manifest import MANIFEST, describe_tokenizer, write_manifest
 from eagle3_train.common.progress import Progress
@@ -128,10 +129,14 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return sorted(ids)
 
 
+DFLASH_PRESET = "dflash:"  # --layers dflash:N
+
+
 def parse_layers(spec: str | None, num_layers: int, *, flag: str = "--layers") -> list[int]:
     """Aux layer ids as vLLM gathers them: ascending, each once, from the residual stream entering
     layer i (1..N; id 0 would be the embeddings, which the draft already has). An explicit list
-    out of order is sorted (and says so); repeats, 0 and ids outside 1..N are refused."""
+    out of order is sorted (and says so); repeats, 0 and ids outside 1..N are refused. `dflash:N`:
+    the layers 04 --target-layers per-draft-layer reads for a draft of N layers (formats.py's rule)."""
     if not spec:
         ids = default_aux_layers(num_layers)
         vllm = vllm_default_aux_layers(num_layers)
@@ -139,8 +144,16 @@ def parse_layers(spec: str | None, num_layers: int, *, flag: str = "--layers") -
             print(f"aux layers: vLLM's default (2, N//2, N-3) for N={num_layers} is {_join(vllm)}, not "
                   f"{len(vllm)} distinct layers; using {_join(ids)} (the export names them, so vLLM reads the same)")
         return ids
+    text = str(spec).replace(" ", "")
+    if text.lower().startswith(DFLASH_PRESET):  # what a DFlash draft of N layers reads, one per layer (04's rule)
+        try:
+            n = int(text[len(DFLASH_PRESET):])
+        except ValueError:
+            raise PipelineError(f"{flag} {spec!r}: {DFLASH_PRESET}N takes the DFlash draft's layer count, "
+                                f"e.g. {DFLASH_PRESET}5") from None
+        return dflash_target_layers(num_layers, n, flag=f"{flag} {spec}")
     try:
-        ids = [int(x) for x in str(spec).replace(" ", "").split(",") if x]
+        ids = [int(x) for x in text.split(",") if x]
     except ValueError:
         raise PipelineError(f"{flag} {spec!r}: expected comma-separated layer ids, e.g. 2,30,58") from None
     return check_layers(ids, num_layers, flag=flag, spec=spec)

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from eagle3_train.common.errors import run_main
-from eagle3_train.common.formats import ATTNS, DRAFT_ARCHS, STORAGES
+from eagle3_train.common.formats import ATTNS, DRAFT_ARCHS, STORAGES, TARGET_LAYERS
 from eagle3_train.plan.config import KV_DTYPES, RATED_STAGES, PlanConfig
 
 
@@ -39,6 +39,8 @@ def parse_args(argv=None) -> PlanConfig:
     st.add_argument("--ttt-steps", type=int, **C.arg("ttt_steps"))
     st.add_argument("--epochs", type=int, **C.arg("epochs"))
     st.add_argument("--draft-arch", choices=DRAFT_ARCHS, **C.arg("draft_arch"))
+    st.add_argument("--draft-layers", type=int, **C.arg("draft_layers"))
+    st.add_argument("--target-layers", choices=TARGET_LAYERS, **C.arg("target_layers"))
     st.add_argument("--num-speculative-tokens", type=int, **C.arg("num_speculative_tokens"))
     st.add_argument("--block-size", type=int, **C.arg("block_size"))
     st.add_argument("--attn", choices=ATTNS, **C.arg("attn"))

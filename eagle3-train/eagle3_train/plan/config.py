@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from eagle3_train.common.config import Settings, require, setting
-from eagle3_train.common.formats import ATTNS, DRAFT_ARCHS, STORAGES, dflash_block
+from eagle3_train.common.formats import ATTNS, DRAFT_ARCHS, STORAGES, TARGET_LAYERS, dflash_block, dflash_target_layers
 
 KV_DTYPES = ("auto", "fp8")  # vllm serve --kv-cache-dtype values 00 models
 RATED_STAGES = ("01b", "02", "04", "05")  # the stages whose tok/s a --rate-<stage> flag overrides
@@ -26,7 +26,7 @@ class PlanConfig(Settings):
     tokens_per_sample: float = setting(10000.0, help="mean tokens per sample (default: 10000; --data overrides)")
     storage: str = setting("bf16", help="02's --storage")
     topk: int = setting(32, help="02's --topk for fp8-topk")
-    n_aux: int = setting(3, help="auxiliary layers")
+    n_aux: int = setting(3, help="auxiliary layers 02 stores and the draft reads")
     draft_vocab_size: int = setting(32000, help="03's draft vocabulary")
     max_tokens_per_batch: int = setting(4096, help="04's batch")
     ttt_steps: int = setting(3, help="04's TTT steps")
@@ -34,6 +34,11 @@ class PlanConfig(Settings):
                                             "at most 10)")
     draft_arch: str = setting("auto", help="04's --draft-arch (auto: the MLA layer for an MLA target, else the "
                                            "Llama layer; dflash: the DFlash block draft)")
+    draft_layers: int = setting(1, help="04's --draft-layers (default: 04's, 1)")
+    target_layers: str = setting("aux", help="04's --target-layers: aux (the draft reads --n-aux layers) or "
+                                             "per-draft-layer (a DFlash draft reads one target layer per draft "
+                                             "layer: 02 stores --draft-layers of them, by the rule 04 and 02 "
+                                             "--layers dflash:N follow) (default: aux)")
     num_speculative_tokens: int | None = setting(None, help="04's --num-speculative-tokens (default: 04's, 3; "
                                                             "a DFlash draft's block - 1)")
     block_size: int | None = setting(None, help="04's --block-size (default: 04's, 8, or "
@@ -75,8 +80,9 @@ class PlanConfig(Settings):
         self.validate()
 
     def validate(self) -> None:
-        for name in ("samples", "tokens_per_sample", "topk", "n_aux", "draft_vocab_size", "max_tokens_per_batch",
-                     "ttt_steps", "gpus", "gpu_memory_gb", "gen_servers", "gen_prompt_tokens", "gen_max_tokens"):
+        for name in ("samples", "tokens_per_sample", "topk", "n_aux", "draft_layers", "draft_vocab_size",
+                     "max_tokens_per_batch", "ttt_steps", "gpus", "gpu_memory_gb", "gen_servers", "gen_prompt_tokens",
+                     "gen_max_tokens"):
             value = getattr(self, name)
             require(value is None or value > 0, f"--{name.replace('_', '-')} must be positive, not {value}")
         require(self.epochs is None or self.epochs >= 1, f"--epochs must be at least 1, not {self.epochs}")
@@ -116,8 +122,24 @@ class PlanConfig(Settings):
                                           "to the scores, not applied): use --attn sdpa or flex, or leave auto")
         else:
             require(self.block_size is None, "--block-size shapes a block draft: add --draft-arch dflash or drop it")
+            require(not self.given("target_layers"),
+                    "--target-layers shapes a block draft: add --draft-arch dflash or drop it")
+        require(self.target_layers in TARGET_LAYERS,
+                f"--target-layers {self.target_layers!r}: choose one of {', '.join(TARGET_LAYERS)}")
+        require(self.target_layers == "aux" or not self.given("n_aux"),
+                "--target-layers per-draft-layer stores --draft-layers target layers; --n-aux names another "
+                "count: drop one")
+        require(self.draft_layers == 1 or self.draft_arch != "mla",
+                f"--draft-layers {self.draft_layers}: the MLA draft has one layer (04 builds no more)")
         require(self.storage == "fp8-topk" or not self.given("topk"),
                 "--topk is the k of --storage fp8-topk: add --storage fp8-topk or drop --topk")
+
+    def stored_layers(self, num_layers: int) -> int:
+        """The target layers 02 stores for this run: --n-aux, or one per draft layer (their count; the
+        rule refuses a draft deeper than the target allows)."""
+        if self.target_layers != "per-draft-layer":
+            return self.n_aux
+        return len(dflash_target_layers(num_layers, self.draft_layers))
 
     def rates(self) -> dict:
         return {s: getattr(self, f"rate_{s}") for s in RATED_STAGES}

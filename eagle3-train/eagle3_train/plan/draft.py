@@ -1,7 +1,8 @@
 """What 04's draft holds, for 00_plan and 04 --dry-run: its parameters, checkpoint and export, and
 its peak memory per GPU, for each layer 04 builds (the Llama/Qwen3 EAGLE-3 layer, the MLA layer, the
-DFlash block draft). `shape` is a planner.Shape, `f` a planner.Flags; tests/test_planner.py holds
-each figure against what a tiny run writes and keeps."""
+DFlash block draft) and --draft-layers of them (`f.draft_layers`; the MLA draft has one). `shape` is
+a planner.Shape, `f` a planner.Flags; tests/test_planner.py holds each figure against what a tiny run
+writes and keeps."""
 
 from __future__ import annotations
 
@@ -36,10 +37,10 @@ def mla_widths(shape) -> dict[str, int]:
             "kv_b": n * (m["qk_nope_head_dim"] + m["v_head_dim"]), "o_in": n * m["v_head_dim"]}
 
 
-def layer_params(shape, f) -> int:
-    """The one decoder layer: q/k/v (or the MLA latents) over the 2H first-layer input (H for a
-    DFlash layer, whose queries are token embeddings), o, the dense MLP, and the norms (DFlash's
-    Qwen3 layer adds q_norm / k_norm)."""
+def layer_params(shape, f, first: bool = True) -> int:
+    """One decoder layer: q/k/v (or the MLA latents) over the 2H first-layer input (H for a DFlash
+    layer, whose queries are token embeddings, and for an EAGLE-3 draft's later layers), o, the
+    dense MLP, and the norms (DFlash's Qwen3 layer adds q_norm / k_norm)."""
     H, I = shape.hidden, shape.intermediate
     arch = kind(shape, f)
     if arch == "mla":
@@ -50,17 +51,32 @@ def layer_params(shape, f) -> int:
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     if arch == "dflash":
         return H * (q + 2 * kv) + q * H + 3 * H * I + 2 * H + 2 * shape.head_dim
+    if not first:  # speculators' later EAGLE-3 layers: a plain decoder layer over H, two norms
+        return H * (q + 2 * kv) + q * H + 3 * H * I + 2 * H
     return 2 * H * (q + 2 * kv) + q * H + 3 * H * I + 3 * H  # q/k/v take 2H; o; gate/up/down; 3 norms
 
 
 def draft_params(shape, f) -> dict[str, int]:
-    """A one-layer draft as wide as the target (draft.build_draft over speculators',
-    draft_mla.build_mla_draft, or draft_dflash.build_dflash_draft: its fc's hidden_norm, the final
-    norm and the trained mask embedding)."""
+    """A draft of f.draft_layers layers as wide as the target (draft.build_draft over speculators',
+    draft_mla.build_mla_draft, or draft_dflash.build_dflash_draft: its fc over the f.n_aux target
+    layers it reads, fc's hidden_norm, the final norm and the trained mask embedding)."""
     H = shape.hidden
     norm = 3 * H if kind(shape, f) == "dflash" else H + f.norm_before_fc * f.n_aux * H
-    return {"fc": f.n_aux * H * H, "layer": layer_params(shape, f), "norm": norm,
+    layers = layer_params(shape, f) + (f.draft_layers - 1) * layer_params(shape, f, first=False)
+    return {"fc": f.n_aux * H * H, "layer": layers, "norm": norm,
             "lm_head": f.draft_vocab_size * H, "embed": shape.vocab * H}
+
+
+def passes_ratio(shape, f) -> float:
+    """The weights a trained token passes through (fc, the layers, lm_head), over those of the one-layer
+    draft reading the same layers: what 00 scales 04's assumed one-layer tok/s by."""
+    from dataclasses import replace
+
+    def passes(flags) -> int:
+        p = draft_params(shape, flags)
+        return p["fc"] + p["layer"] + p["lm_head"]
+
+    return passes(f) / passes(replace(f, draft_layers=1))
 
 
 def layer_activations_per_token(shape, f) -> int:
@@ -88,8 +104,8 @@ def mla_cache_activations(shape, f) -> int:
 
 def dflash_activations(shape, f) -> int:
     """What the DFlash objective keeps for one packed batch of S tokens (objective_dflash.py): the
-    context's fc -> hidden_norm states and the layer's keys/values over them; per block query
-    (--block-anchors anchors among the supervised positions, x the block) the layer's projections,
+    context's fc -> hidden_norm states and each layer's keys/values over them; per block query
+    (--block-anchors anchors among the supervised positions, x the block) each layer's projections,
     norms and MLP; the mask slots' draft logits with their log-softmax and gradient; and the
     attention mask over the context + the queries, which the fused sdpa kernel keeps in the
     activations' dtype (it keeps no per-head scores)."""
@@ -104,8 +120,8 @@ def dflash_activations(shape, f) -> int:
     else:  # a count per sequence, times the sequences a batch holds
         anchors = min(cand, int(f.block_anchors) * max(1, int(S // max(f.tokens_per_sample, 1))))
     queries = anchors * block
-    per_query = (6 * H + 3 * q + 4 * kv + 4 * I) * a
-    context = S * (2 * H + 4 * kv) * a
+    per_query = (6 * H + 3 * q + 4 * kv + 4 * I) * a * f.draft_layers
+    context = S * (2 * H + 4 * kv * f.draft_layers) * a
     logits = anchors * (block - 1) * 4 * f.draft_vocab_size * 4
     mask = queries * (S + queries) * a
     return int(context + queries * per_query + logits + mask)
@@ -126,7 +142,7 @@ def train_memory(shape, f) -> dict[str, int]:
     else:
         # per step and token: the layer's, then the draft logits fp32 with log-softmax and grad, the
         # target's probabilities
-        per_tok = layer_activations_per_token(shape, f) * a + 4 * dv * 4
+        per_tok = layer_activations_per_token(shape, f) * f.draft_layers * a + 4 * dv * 4
         if is_mla(shape, f):
             attn = mla_cache_activations(shape, f)
         else:

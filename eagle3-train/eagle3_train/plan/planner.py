@@ -16,7 +16,7 @@ from eagle3_train.common.hidden_store import bytes_per_token
 from eagle3_train.common.target import MLA_DIMS, has_mla, looks_like_hub_id
 from eagle3_train.plan import gen as G
 from eagle3_train.plan.draft import (  # noqa: F401 -- the planner's 04 figures, named here as before
-    blocks, checkpoint_bytes, draft_params, export_bytes, is_mla, kind, layer_params, train_memory)
+    blocks, checkpoint_bytes, draft_params, export_bytes, is_mla, kind, layer_params, passes_ratio, train_memory)
 from eagle3_train.plan.config import gpu_memory_gb
 from eagle3_train.train.budget import auto_epochs
 
@@ -82,6 +82,7 @@ class Flags:
     num_speculative_tokens: int | None = None  # 04's (common/formats.py:speculative_tokens)
     block_size: int | None = None  # 04's --block-size (common/formats.py:dflash_block)
     block_anchors: float | None = None  # 04's --block-anchors (None: 512 a packed batch)
+    draft_layers: int = 1  # 04's --draft-layers (n_aux: the target layers they read, as 02 stores them)
     supervised_fraction: float = 0.95  # of a batch's tokens, the answers' (a long reasoning answer after its prompt)
     norm_before_fc: bool = True  # 04's default: n_aux x H norm weights before fc (either layer)
     gpus: int = 8
@@ -299,6 +300,10 @@ def plan(shape: Shape, f: Flags) -> dict:
     serve = serving(shape, f)
     f = with_measured(f, serve)
     rates = RATES | {"01b": gen_rate(serve, f)} | {k: (float(r), "given") for k, r in (f.rates or {}).items() if r}
+    if f.draft_layers > 1 and rates["04"][1] != "given":  # the assumed rate is a one-layer draft's
+        ratio = passes_ratio(shape, f)
+        rates["04"] = (rates["04"][0] / ratio, f"{rates['04'][1]}, / {ratio:.2f} for {f.draft_layers} layers' weights "
+                                               "a token passes")
     n = tokens(f)
     mem = train_memory(shape, f)
     topk_head = head_bytes(shape, f.head_chunk) if f.storage == "fp8-topk" else 0
@@ -390,6 +395,8 @@ def table(p: dict) -> str:
     m = p["stages"]["04"]["memory_parts"]
     s4 = p["stages"]["04"]
     what = f"DFlash block {s4['block_size']} draft" if s4["draft"] == "dflash" else f"{s4['draft']} draft layer"
+    if (n := p["flags"]["draft_layers"]) > 1:
+        what += f", {n} layers reading {p['flags']['n_aux']} target layers"
     rows.append(f"04 {what}, {s4['epochs']} epoch(s) = {s4['steps']:,} steps")
     rows.append(f"04 per GPU: weights {gb(m['weights'])}, grads+optimizer {gb(m['grads_and_adam'])}, target head "
                 f"{gb(m['target_head'])}, activations {gb(m['activations'])} "
@@ -537,7 +544,8 @@ def dry_run_train(cfg) -> int:
     samples = int(counts.get("samples") or 1)
     f = Flags(samples=samples, tokens_per_sample=int(counts.get("tokens") or 0) / samples,
               storage=(store.get("storage") or {}).get("format", "bf16"),
-              n_aux=len(cfg.aux_layer_ids or store.get("aux_layer_ids") or [0, 0, 0]),
+              n_aux=cfg.draft_layers if cfg.per_draft_layer else
+              len(cfg.aux_layer_ids or store.get("aux_layer_ids") or [0, 0, 0]), draft_layers=cfg.draft_layers,
               draft_vocab_size=int((mapping.get("counts") or {}).get("draft_vocab_size") or shape.vocab),
               max_tokens_per_batch=cfg.max_tokens_per_batch, ttt_steps=cfg.ttt_steps, epochs=cfg.epochs,
               optimizer=cfg.optimizer, draft_arch=cfg.draft_arch, norm_before_fc=cfg.norm_before_fc,
@@ -649,9 +657,10 @@ def measured_file(cfg) -> Path | None:
     return None
 
 
-def flags_from(cfg) -> Flags:
+def flags_from(cfg, shape: Shape | None = None) -> Flags:
     """00_plan's Flags from its config: --data's counts and lengths, the measured file's rates,
-    lengths and cache (the measured file's lengths unless --data gives the run's own)."""
+    lengths and cache (the measured file's lengths unless --data gives the run's own); with the
+    target's `shape`, the layers 02 stores (--n-aux, or --target-layers per-draft-layer's)."""
     samples, per_sample, measured, answers, prompt = cfg.samples, cfg.tokens_per_sample, None, None, None
     if cfg.data:
         data = measure_data(cfg.data)
@@ -669,7 +678,8 @@ def flags_from(cfg) -> Flags:
             answers = m["answers"] | {"source": f"measured: {path}, {m['answers'].get('count') or '?'} answers"}
             prompt = m.get("prompt_tokens")
     return Flags(samples=samples, tokens_per_sample=per_sample, storage=cfg.storage, topk=cfg.topk,
-                 n_aux=cfg.n_aux, draft_vocab_size=cfg.draft_vocab_size,
+                 n_aux=cfg.stored_layers(shape.layers) if shape else cfg.n_aux, draft_layers=cfg.draft_layers,
+                 draft_vocab_size=cfg.draft_vocab_size,
                  max_tokens_per_batch=cfg.max_tokens_per_batch, ttt_steps=cfg.ttt_steps, epochs=cfg.epochs,
                  draft_arch=cfg.draft_arch, num_speculative_tokens=cfg.num_speculative_tokens,
                  block_size=cfg.block_size, attn="flex" if cfg.attn in ("auto", "flex") else cfg.attn,
@@ -687,6 +697,6 @@ def flags_from(cfg) -> Flags:
 def run(cfg) -> int:
     """00_plan: print the plan of the run `cfg` (a plan.config.PlanConfig) describes."""
     shape = load_shape(cfg.target)  # a bad --target is the one line, before any note
-    result = plan(shape, flags_from(cfg))
+    result = plan(shape, flags_from(cfg, shape))
     print(json.dumps(result, indent=1) if cfg.json else table(result))
     return 0

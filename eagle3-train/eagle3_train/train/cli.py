@@ -19,7 +19,7 @@ import sys
 
 from eagle3_train.common.config import join_dash_values
 from eagle3_train.common.errors import run_main
-from eagle3_train.common.formats import ATTNS, DRAFT_ARCHS
+from eagle3_train.common.formats import ATTNS, DRAFT_ARCHS, TARGET_LAYERS
 from eagle3_train.train.config import (
     BLOCK_LOSSES,
     EXIT_FOLLOW_TIMEOUT,
@@ -63,6 +63,7 @@ def parse_args(argv=None) -> TrainConfig:
     for name in MLA_FIELDS:
         g.add_argument(f"--{name.replace('_', '-')}", type=int, **C.arg(name))
     g.add_argument("--aux-layer-ids", type=_ids, **C.arg("aux_layer_ids"))
+    g.add_argument("--target-layers", choices=TARGET_LAYERS, **C.arg("target_layers"))
     g.add_argument("--norm-before-residual", action=argparse.BooleanOptionalAction, **C.arg("norm_before_residual"))
     g.add_argument("--norm-before-fc", action=argparse.BooleanOptionalAction, **C.arg("norm_before_fc"))
     g.add_argument("--norm-output", action=argparse.BooleanOptionalAction, **C.arg("norm_output"))

@@ -12,7 +12,7 @@ from typing import ClassVar
 from eagle3_train.common import positions
 from eagle3_train.common.config import TRAIN, StageConfig, require, setting
 from eagle3_train.common.errors import PipelineError
-from eagle3_train.common.formats import DFLASH_BLOCK, DRAFT_ARCHS, dflash_block, speculative_tokens
+from eagle3_train.common.formats import DFLASH_BLOCK, DRAFT_ARCHS, TARGET_LAYERS, dflash_block, speculative_tokens
 from eagle3_train.train.budget import (
     LR_REF,
     LR_REF_WIDTH,
@@ -98,6 +98,11 @@ class TrainConfig(StageConfig):
     draft_v_head_dim: int | None = setting(None, help="mla: per-head value dims (default: target's)")
     aux_layer_ids: list[int] | None = setting(None, help="aux layers the draft reads, a subset of the store's "
                                                          "(default: all of them)")
+    target_layers: str = setting("aux", help="dflash: the target layers the draft reads through its fc; aux: the "
+                                             "store's aux layers (or --aux-layer-ids); per-draft-layer: one per "
+                                             "draft layer (--draft-layers N reads N), spread over the target's "
+                                             "depth as the published DFlash drafts are (02 --layers dflash:N "
+                                             "stores them) (default: aux)")
     # None = by the layer (train/draft.py:step_norms): on for a Llama/Qwen3 layer, where without a norm on
     # the state fed from step to step the draft falls off past its TTT horizon (issue 28's benchmark,
     # k = 7: AL 6.34 off, 7.39 / 7.40 with either, k = 3 unchanged); off for the MLA layer, where neither
@@ -298,7 +303,7 @@ class TrainConfig(StageConfig):
         dflash = self.draft_arch == "dflash"
         if not dflash:
             asked = [f"--{_flag(k)}" for k in ("block_size", "mask_token_id") if getattr(self, k) is not None]
-            asked += self.given("block_anchors", "block_gamma", "block_causal", "block_loss")
+            asked += self.given("block_anchors", "block_gamma", "block_causal", "block_loss", "target_layers")
             require(not asked, f"{', '.join(asked)} shape a block draft: add --draft-arch dflash or drop them")
             return
         # a DFlash draft drafts its whole block in one forward: the EAGLE-3 unroll's flags do nothing there
@@ -312,6 +317,11 @@ class TrainConfig(StageConfig):
         # boolean one, so every query would see the other blocks and the context after its anchor
         require(self.attn != "eager", "--attn eager cannot train a DFlash draft (its block mask would be added "
                                       "to the scores, not applied): use --attn sdpa or flex, or leave auto")
+        require(self.target_layers in TARGET_LAYERS,
+                f"--target-layers must be one of {', '.join(TARGET_LAYERS)}, not {self.target_layers!r}")
+        require(not (self.per_draft_layer and self.aux_layer_ids),
+                "--target-layers per-draft-layer picks the layers the draft reads; --aux-layer-ids names them too: "
+                "drop one")
         require(self.mask_token_id is None or self.mask_token_id >= 0,
                 f"--mask-token-id must be a token id of the target (0 or more), not {self.mask_token_id}")
         require(self.block_size is None or self.block_size >= 2,
@@ -369,6 +379,11 @@ class TrainConfig(StageConfig):
     def spec_tokens(self) -> int:
         """K the export records (common/formats.py:speculative_tokens)."""
         return speculative_tokens(self.draft_arch, self.block_size, self.num_speculative_tokens)
+
+    @property
+    def per_draft_layer(self) -> bool:
+        """A DFlash draft reading one target layer per draft layer (common/formats.py:dflash_target_layers)."""
+        return self.draft_arch == "dflash" and self.target_layers == "per-draft-layer"
 
     @property
     def causal_block(self) -> bool:

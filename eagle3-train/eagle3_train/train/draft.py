@@ -43,7 +43,8 @@ def resolve_arch(arch: str, target_cfg, mla_dims: dict | None = None) -> str:
     """`auto` -> mla for a target with multi-head latent attention (DeepSeek-V3 / Kimi; measured
     better there than the Llama layer: docs/measurements.md, "04: the MLA head vs the Llama head";
     DFlash led it on the DeepSeek-V3 bench and trailed it on the Kimi twin, "The draft for the k
-    users serve"), else llama. MLA dims asked for a non-MLA draft are refused."""
+    users serve", in AL and in output tok/s modelled on the box, "Which draft serves faster"), else
+    llama. MLA dims asked for a non-MLA draft are refused."""
     from eagle3_train.common.target import has_mla
 
     if arch == "auto":

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from eagle3_train.common.errors import PipelineError
+from eagle3_train.common.formats import dflash_target_layers
 from eagle3_train.common.hidden_checks import check_shards, read_sample
 from eagle3_train.common.manifest import describe_target, manifest_identity, require_match, text_config
 from eagle3_train.train.config import TrainConfig
@@ -60,8 +61,18 @@ def open_inputs(config: TrainConfig, dtype: torch.dtype = torch.float32) -> Inpu
     layer_ids = store.layer_ids
     require_match("last layer id", tc.num_hidden_layers, layer_ids[-1], source=str(store.directory))
     stored_aux = list(sm.get("aux_layer_ids") or layer_ids[:-1])
-    aux_ids = aux_layers(config.aux_layer_ids, stored_aux, tc.num_hidden_layers, store.directory)
+    if config.per_draft_layer:  # one target layer per draft layer, by the field's rule
+        aux_ids = dflash_target_layers(tc.num_hidden_layers, config.draft_layers)
+    else:
+        aux_ids = aux_layers(config.aux_layer_ids, stored_aux, tc.num_hidden_layers, store.directory)
     missing = [i for i in aux_ids if i not in stored_aux]
+    if missing and config.per_draft_layer:
+        both = ",".join(str(i) for i in sorted(set(stored_aux) | set(aux_ids)))
+        raise PipelineError(f"--target-layers per-draft-layer: a DFlash draft of {config.draft_layers} layers reads "
+                            f"target layers {','.join(map(str, aux_ids))} (aux ids), but {store.directory} holds "
+                            f"{','.join(map(str, stored_aux))}: extract a store that holds them with 02 "
+                            f"--layers dflash:{config.draft_layers} (these only) or --layers {both} (these and the "
+                            f"store's), or pass --target-layers aux")
     if missing:
         few = len(missing) == 1
         raise PipelineError(f"--aux-layer-ids {','.join(map(str, aux_ids))}: layer{'' if few else 's'} "
