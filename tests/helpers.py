@@ -29,6 +29,19 @@ STAGE_PACKAGES = {"00_preflight": "preflight", "00_plan": "plan", "01_split_prom
                   "04_train": "train", "05_evaluate": "evaluate"}
 
 
+def load_script(name: str):
+    """A script under scripts/ ('demo', 'bench/long') imported as it is run: its folder on sys.path."""
+    import importlib
+    import sys
+
+    folder, _, mod = (REPO / "scripts" / name).as_posix().rpartition("/")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(mod)
+    finally:
+        sys.path.remove(folder)
+
+
 def stage_cli(name: str):
     """The CLI module (eagle3_train.<stage>.cli) of a stage by its script's name ('04_train')."""
     import importlib

@@ -4,22 +4,11 @@ table's means over seeds."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 
 from eagle3_testkit.fixtures import REPO_ROOT
 from eagle3_train.common.errors import run_main
-
-
-def load_script(name: str):
-    """A script imported as it is run: its folder on sys.path."""
-    folder, _, mod = ("scripts/" + name).rpartition("/")
-    sys.path.insert(0, str(REPO_ROOT / folder))
-    try:
-        return importlib.import_module(mod)
-    finally:
-        sys.path.remove(str(REPO_ROOT / folder))
+from helpers import load_script
 
 
 def test_recipe_bench_refuses_bad_flags_in_one_line(tmp_path, capsys):

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, load_script
 
 
 @pytest.fixture(scope="module")
 def gc():
-    sys.path.insert(0, str(REPO / "scripts"))  # the script is the check: it is imported as it is run
-    try:
-        return importlib.import_module("gpu_check")
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    return load_script("gpu_check")  # the script is the check: imported as it is run
 
 
 def test_arguments_and_their_defaults(gc, tmp_path):

@@ -4,7 +4,6 @@ tail past 4k), and `build_targets.py long` trains a few steps deterministically,
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,16 +11,7 @@ import sys
 import pytest
 from eagle3_testkit.fixtures import REPO_ROOT
 from eagle3_testkit.long_tasks import MAX_STEPS, length_stats, long_examples, walk_check, write_long_prompts
-
-
-def load_script(name: str):
-    """A script imported as it is run: its folder on sys.path (scripts/ or scripts/bench/)."""
-    folder, _, mod = ("scripts/" + name).rpartition("/")
-    sys.path.insert(0, str(REPO_ROOT / folder))
-    try:
-        return importlib.import_module(mod)
-    finally:
-        sys.path.remove(str(REPO_ROOT / folder))
+from helpers import load_script
 
 
 def test_every_walk_follows_its_graph():

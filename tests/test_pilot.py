@@ -6,7 +6,6 @@ the pilot runs every stage on the tiny target in real vLLM and says its verdict.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from eagle3_train.common.manifest import write_manifest
 from eagle3_train.pilot.cli import main as pilot_main
 from eagle3_train.pilot.driver import Driver, Output, Step, mismatch
 from eagle3_train.pilot.stage import AL_NONE
+from helpers import load_script
 
 PILOT = REPO_ROOT / "eagle3-train" / "pilot.py"
 
@@ -70,11 +70,7 @@ def test_the_driver_skips_a_matching_stage_and_refuses_another_runs(tmp_path, ca
 
 
 def _demo():
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))  # the demo is a script: imported as it is run
-    try:
-        return importlib.import_module("demo")
-    finally:
-        sys.path.remove(str(REPO_ROOT / "scripts"))
+    return load_script("demo")  # the demo is a script: imported as it is run
 
 
 def test_each_demo_profile_has_its_own_directory():

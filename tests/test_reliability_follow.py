@@ -338,6 +338,17 @@ def assert_follow_clean(out: Path, all_ks: list[int], all_ids: list[str]) -> Non
     assert sorted(hs.HiddenStates(out / "heldout").ids) == sorted(man["split"]["val_ids"])
 
 
+def check_follow_trials(root: Path, watch: Watch, all_ks: list[int], all_ids: list[str], most: int) -> None:
+    """check_trials for the 04 --follow --consume sweeps: each run's output clean, its store's disk peak <= `most`."""
+    def check(d: Path) -> None:
+        if d.name.endswith("-store"):
+            return
+        assert_follow_clean(d, all_ks, all_ids)
+        assert watch.peak[d.name] <= most, (watch.peak[d.name], most)
+
+    check_trials(root, watch, check)
+
+
 def in_process_04(inputs):  # noqa: F811
     def rerun(out: Path) -> int:
         train_run(stage.parse_args(argv(inputs, store_of(out), out, save_every=2)))
@@ -382,13 +393,7 @@ def test_kill9_sweep_04_follow_consume(tmp_path, inputs):  # noqa: F811
 
         trials("04 --follow --consume", moments(103, TRIALS, ref), one)
 
-    def check(d: Path) -> None:
-        if d.name.endswith("-store"):
-            return
-        assert_follow_clean(d, all_ks, all_ids)
-        assert watch.peak[d.name] <= bound + shard, (watch.peak[d.name], bound, shard)
-
-    check_trials(root, watch, check)
+    check_follow_trials(root, watch, all_ks, all_ids, bound + shard)
 
 
 def test_kill9_sweep_02_and_04_together(tmp_path, inputs):  # noqa: F811
@@ -485,10 +490,4 @@ def test_kill9_sweep_02_and_04_together(tmp_path, inputs):  # noqa: F811
 
         trials("02 + 04 --follow --consume", ms, one)
 
-    def check(d: Path) -> None:
-        if d.name.endswith("-store"):
-            return
-        assert_follow_clean(d, all_ks, all_ids)
-        assert watch.peak[d.name] <= bound + shard, (watch.peak[d.name], bound, shard)
-
-    check_trials(root, watch, check)
+    check_follow_trials(root, watch, all_ks, all_ids, bound + shard)

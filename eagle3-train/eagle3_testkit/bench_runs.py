@@ -37,6 +37,17 @@ def layout(root: Path) -> dict[str, Path]:
             "summary": root / "data.json"}
 
 
+def made_data(root: Path) -> dict[str, Path]:
+    """layout(root) of a set scripts/bench/data.py has made; what it lacks is refused in one line."""
+    from eagle3_train.common.errors import PipelineError
+
+    d = layout(root)
+    for key in ("hidden", "vocab", "heldout"):
+        if not d[key].exists():
+            raise PipelineError(f"{d[key]} is missing: run scripts/bench/data.py --root {root} first")
+    return d
+
+
 def run_stage(script: str, args: list, log: Path, *, ok=(0,)) -> int:
     """One stage script as its own process, its output appended to `log`."""
     cmd = [sys.executable, str(STAGES / script), *map(str, args)]

@@ -31,9 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3_testkit.bench_runs import BENCH_TARGET, layout, run_stage
+from eagle3_testkit.bench_runs import BENCH_TARGET, made_data, run_stage
 from eagle3_train.common.config import EVALUATE as EVAL_STAGE
-from eagle3_train.common.config import TRAIN as TRAIN_STAGE
 from eagle3_train.common.errors import PipelineError, run_main
 from eagle3_train.common.manifest import is_complete as complete
 from eagle3_train.common.store import atomic_write_text
@@ -218,10 +217,7 @@ def render(results: dict) -> str:
 def main(argv=None) -> int:
     a = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    d = layout(a.root)
-    for key in ("hidden", "vocab", "heldout"):
-        if not d[key].exists():
-            raise PipelineError(f"{d[key]} is missing: run scripts/bench/data.py --root {a.root} first")
+    d = made_data(a.root)
     a.results = a.results or d["root"] / "recipe"
     target = a.target.resolve()
     results = {"root": str(d["root"]), "target": str(target), "wall": a.wall, "k": a.ks, "seeds": a.seed_list,

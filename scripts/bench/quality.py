@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3_testkit.bench_runs import BENCH_TARGET, layout, run_stage
+from eagle3_testkit.bench_runs import BENCH_TARGET, made_data, run_stage
 from eagle3_train.common.config import EVALUATE as EVAL_STAGE
 from eagle3_train.common.config import TRAIN as TRAIN_STAGE
 from eagle3_train.common.errors import PipelineError, run_main
@@ -240,10 +240,7 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    d = layout(args.root)
-    for key in ("hidden", "vocab", "heldout"):
-        if not d[key].exists():
-            raise PipelineError(f"{d[key]} is missing: run scripts/bench/data.py --root {args.root} first")
+    d = made_data(args.root)
     results = args.results or d["root"] / "results"
     arms = parse_arms(args.arm)
     names = args.only.split(",") if args.only else list(arms)
