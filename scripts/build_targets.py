@@ -27,6 +27,7 @@ from eagle3_train.common.store import TMP_PREFIX, atomic_dir_commit
 
 BENCH_REASONER = REPO_ROOT / "assets" / "bench-reasoner"
 LONG_REASONER = REPO_ROOT / "assets" / "long-reasoner"
+SHORT_STEPS, SHORT_TOKENS, SHORT_BATCH, LONG_STEPS = 1400, 320, 32, 120  # the long target's curriculum
 
 TINY = """Regenerate the bundled tiny trained target (assets/tiny-reasoner). The committed weights were
 made with the defaults and one thread."""
@@ -47,14 +48,19 @@ rides along, so serve 01b the same way: scripts/bench/data.py --server-arg)."""
 LONG = """The long-answer benchmark target (assets/long-reasoner): a 4-layer, 128-wide Llama (4 heads of 32,
 2 KV heads, MLP 384; ~0.9M parameters, 8192 positions) in the tiny target's chat format and
 tokenizer, trained on eagle3_testkit.long_tasks' random walks: answers of ~1.7k tokens on average,
-one in ten past 4k, with a coin flip every ~12 tokens at temperature 1.0 and the rest following
+one in ten past 4k, with a coin flip every ~11 tokens at temperature 1.0 and the rest following
 from the answer so far and from the graph in the prompt. Same trainer as the bench target
-(eagle3_testkit.tiny_target.train_tiny_target), batches of neighbours in length, no attention mask
-(right padding), bf16 autocast (faster than fp32 even on a CPU without AMX), saved in bf16;
-checked by sampling --check-n answers. The committed weights: the defaults, 2 threads. They learned the line
-template, not the lookups in the prompt nor the counter (docs/measurements.md), so their answers
-are shorter and noisier than the task's. More steps alone do not fix that: 280 lower the loss
-(1.03 against 1.42) but shorten the sampled answers, the lookups still unlearned."""
+(eagle3_testkit.tiny_target.train_tiny_target), bf16 autocast, saved in bf16, in two phases under
+one lr schedule: --short-steps on random walks cut to their first --short-tokens tokens (0.6 s a
+step here, 1 thread), then --steps full-length ones (1.3 s a step; batches
+of neighbours in length, no attention mask: right padding) for the positions up to ~6k and the
+stop; checked by sampling --check-n answers. The committed weights: the defaults, 1 thread (2
+threads beside another job ran ~8x slower a step), 998 s. Their check (8 sampled): mean 1,943
+tokens, p50 1,728, one of 8 never stops (6,000), 7 of 8 stop, 5 of 8 close the reasoning; the first
+successor taken 0.59 of the time. They learned the line template and copying the node just taken,
+not the lookups in the prompt (3% of the steps well formed; the loss stays ~0.3 where the task's is
+~0.07), so their answers are noisy walks of the task's length. 900 + 60 steps gave longer but less
+stopping answers (mean 2,519, 2 of 8 never stop); the old 100 full-length steps, 717-token answers."""
 
 KIMI_TWIN = """Retrain the Kimi-K2.5 twin and write its committed core (assets/kimi-twin-core): trains the
 twin's DeepSeek-V3 text model on the synthetic reasoning tasks (eagle3_testkit.kimi_twin_train),
@@ -111,11 +117,19 @@ def parse_args(argv=None):
 
     k = kind("long", "the long-answer benchmark target (assets/long-reasoner)", LONG, LONG_REASONER)
     g = k.add_argument_group("budget")
-    g.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
-    g.add_argument("--batch", type=int, default=4, help="sequences per step (default: 4)")
-    g.add_argument("--lr", type=float, default=4e-3, help="peak AdamW lr, cosine after warmup (default: 4e-3)")
+    g.add_argument("--short-steps", type=int, default=SHORT_STEPS,
+                   help=f"first steps on sequences cut short, 0 for none (default: {SHORT_STEPS})")
+    g.add_argument("--short-tokens", type=int, default=SHORT_TOKENS,
+                   help=f"tokens a sequence is cut to in those steps (default: {SHORT_TOKENS})")
+    g.add_argument("--short-batch", type=int, default=SHORT_BATCH,
+                   help=f"sequences per short step (default: {SHORT_BATCH})")
+    g.add_argument("--steps", type=int, default=LONG_STEPS,
+                   help=f"full-length steps after them (default: {LONG_STEPS})")
+    g.add_argument("--batch", type=int, default=4, help="sequences per full-length step (default: 4)")
+    g.add_argument("--lr", type=float, default=4e-3,
+                   help="peak AdamW lr, one cosine over all steps after warmup (default: 4e-3)")
     g.add_argument("--warmup", type=int, default=10, help="warmup steps (default: 10)")
-    g.add_argument("--examples", type=int, default=2000, help="distinct training walks (default: 2000)")
+    g.add_argument("--examples", type=int, default=12000, help="distinct training walks (default: 12000)")
     g.add_argument("--no-autocast", action="store_true", help="train in fp32 instead of bf16 autocast")
     g = k.add_argument_group("shape")
     g.add_argument("--layers", type=int, default=4, help="(default: 4)")
@@ -123,7 +137,8 @@ def parse_args(argv=None):
     g = k.add_argument_group("run")
     g.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
     g.add_argument("--check-n", type=int, default=8, help="held-out questions to sample-check, 0 for none (default: 8)")
-    g.add_argument("--threads", type=int, default=2, help="torch threads, part of determinism (default: 2)")
+    g.add_argument("--threads", type=int, default=1,
+                   help="torch threads, part of determinism; 1 is also fastest on a shared machine (default: 1)")
 
     k = kind("kimi-twin", "the Kimi-K2.5 twin's core (assets/kimi-twin-core)", KIMI_TWIN, KIMI_TWIN_CORE)
     k.add_argument("--steps", type=int, default=240, help="optimizer steps (default: 240)")
@@ -178,7 +193,8 @@ def long(a) -> None:
         work, steps=a.steps, batch=a.batch, lr=a.lr, seed=a.seed, n_examples=a.examples, hidden=a.hidden,
         layers=a.layers, heads=a.hidden // 32, kv_heads=2, intermediate=3 * a.hidden, warmup=a.warmup,
         autocast=not a.no_autocast, save_dtype="bfloat16", examples=long_examples, log_every=10, max_pos=8192,
-        pad_mask=False, same_length=True, check_n=0,
+        pad_mask=False, same_length=True, check_n=0, short_steps=a.short_steps, short_tokens=a.short_tokens,
+        short_batch=a.short_batch,
         check=(lambda d: check_long_target(d, n=a.check_n)) if a.check_n else None))
 
 

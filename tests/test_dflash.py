@@ -44,8 +44,9 @@ def test_export_is_the_speculators_dflash_format_vllm_reads(inputs, reference):
     assert cfg["aux_hidden_state_layer_ids"] == man["layer_ids"]
     # vLLM reads no block_size: 1 + num_speculative_tokens queries a step; K defaults to the block's slots
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3 and cfg["block_size"] == 4
-    # vLLM makes every layer causal unless this is true (update_dflash)
-    assert cfg["sliding_window_non_causal"] is True and cfg["sample_from_anchor"] is False
+    # a causal block by default; vLLM makes every layer causal unless this is true (update_dflash)
+    assert cfg["sliding_window_non_causal"] is False and cfg["sample_from_anchor"] is False
+    assert cfg["transformer_layer_config"]["is_causal"] is True and man["config"]["block_causal"] is True
     assert cfg["transformer_layer_config"]["model_type"] == "qwen3"
     w = load_file(str(reference / "export" / "model.safetensors"))
     n_aux, target_h = len(cfg["aux_hidden_state_layer_ids"]), cfg["target_hidden_size"]
@@ -516,7 +517,7 @@ def test_a_window_limits_each_query_to_the_last_positions():
 
 def test_dflash_window_needs_a_causal_block_and_is_exported_as_vllm_reads_it(inputs, tmp_path):
     with pytest.raises(PipelineError, match="--draft-window with --draft-arch dflash needs a causal block"):
-        stage.parse_args(inputs_argv(inputs, tmp_path / "x", **{**DFLASH, "draft_window": 8}))
+        stage.parse_args(inputs_argv(inputs, tmp_path / "x", "--no-block-causal", **{**DFLASH, "draft_window": 8}))
     assert not (tmp_path / "x").exists()
     out = tmp_path / "w"
     train(inputs, out, draft_window=8, block_causal=True, epochs=1)
@@ -537,8 +538,23 @@ def test_a_run_recorded_before_the_block_flags_resumes_as_it_ran(inputs, referen
     out = tmp_path / "old"
     shutil.copytree(reference, out)
     rec = json.loads((out / "run.json").read_text())
-    assert rec["config"]["block_causal"] is False and rec["config"]["block_anchors"] is None
+    assert rec["config"]["block_causal"] is True and rec["config"]["block_anchors"] is None
     del rec["config"]["block_causal"]
     rec["config"]["block_anchors"] = 512
     (out / "run.json").write_text(json.dumps(rec))
     assert train(inputs, out)["counts"]["steps"] > 0  # the finished run's manifest, nothing refused
+
+
+def test_a_bare_rerun_keeps_the_block_causality_it_recorded(inputs, reference, tmp_path):
+    """A run recorded with a non-causal block (the default once at K = block - 1) is resumed by its
+    own command without the flag, not refused for the causal default; asking for the other one is."""
+    import shutil
+
+    out = tmp_path / "noncausal"
+    shutil.copytree(reference, out)
+    rec = json.loads((out / "run.json").read_text())
+    rec["config"]["block_causal"] = False
+    (out / "run.json").write_text(json.dumps(rec))
+    assert train(inputs, out)["counts"]["steps"] > 0  # the finished run's manifest, nothing refused
+    with pytest.raises(PipelineError, match="block_causal"):
+        train(inputs, out, block_causal=True)

@@ -1,22 +1,25 @@
 """A task with long answers and real entropy at temperature 1.0, for the long-answer benchmark target.
 
 Random walks on a small graph given in the prompt: each node has two successors, and each step of
-the reasoning names the step number, the current node, its two successors (looked up in the
-prompt, however far back it is) and the one taken, chosen at random:
+the reasoning names the current node, its two successors (looked up in the prompt, however far
+back it is) and the one taken, chosen at random:
 
     Walk from apple. apple is river or stone, river is tiger or apple, ...
     <think>I walk from apple.
-    1 apple is river or stone, write stone.
-    2 stone is lemon or apple, write apple.
+    - apple is river or stone, write stone.
+    - stone is lemon or apple, write apple.
     ...
     So the last is apple.</think>The answer is apple.
 
-So one token in ~12 is a coin flip (what a draft cannot know), the rest follows from earlier tokens
-(the counter, the node just taken) and from the prompt (the successors). The walk stops after each
-step with probability 1/STOP_EVERY: geometric lengths, mean ~1.7k tokens in the tiny tokenizer,
-one answer in ten past 4k, none past MAX_STEPS steps. Greedy decoding never stops (stopping is
-never the likelier choice), so a greedy answer runs to its token limit. Same chat format and
-tokenizer as the tiny target (eagle3_testkit.tiny); the same (n, seed) always gives the same list.
+So one token in 11 is a coin flip (what a draft cannot know), the rest follows from earlier tokens
+(the node just taken) and from the prompt (the successors). No step counter: multi-digit increments
+cost a small target more steps than anything else here. The "- " spells each node as the prompt
+does (" apple"); at the start of a line the tokenizer would split it into pieces. The walk stops
+after each step with probability 1/STOP_EVERY: geometric lengths, mean ~1.7k tokens in the tiny
+tokenizer, one answer in ten past 4k, none past MAX_STEPS steps. Greedy decoding of a target that
+learned the task never stops (stopping is never the likelier choice), so its greedy answer runs to
+the token limit. Same chat format and tokenizer as the tiny target (eagle3_testkit.tiny); the same
+(n, seed) always gives the same list.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ from pathlib import Path
 from eagle3_testkit.tiny import _WORDS
 
 NODES = 8
-STOP_EVERY = 140  # mean steps of the geometric walk length
-MAX_STEPS = 450  # ~6k tokens: the target's max_position_embeddings (8192) leaves room for the prompt
-STEP = re.compile(r"(\d+) (\w+) is (\w+) or (\w+), write (\w+)\.")
+STOP_EVERY = 170  # mean steps of the geometric walk length (~11 tokens a step)
+MAX_STEPS = 540  # ~6k tokens: the target's max_position_embeddings (8192) leaves room for the prompt
+STEP = re.compile(r"- (\w+) is (\w+) or (\w+), write (\w+)\.")
 
 
 def task_walk(rng: random.Random) -> tuple[str, str, str]:
@@ -43,7 +46,7 @@ def task_walk(rng: random.Random) -> tuple[str, str, str]:
     while True:
         a, b = succ[cur]
         nxt = rng.choice((a, b))
-        steps.append(f"{len(steps) + 1} {cur} is {a} or {b}, write {nxt}.")
+        steps.append(f"- {cur} is {a} or {b}, write {nxt}.")
         cur = nxt
         if len(steps) >= MAX_STEPS or rng.random() < 1 / STOP_EVERY:
             break
@@ -73,8 +76,8 @@ def write_long_prompts(path: Path, n: int, seed: int) -> Path:
 
 
 def walk_check(question: str, reasoning: str) -> dict:
-    """How well a generated reasoning follows the walk: steps, steps well formed (counter, current
-    node = the last one taken, successors as the prompt has them, a successor taken), and the share
+    """How well a generated reasoning follows the walk: steps, steps well formed (current node =
+    the last one taken, successors as the prompt has them, a successor taken), and the share
     of choices that took the first successor (~0.5 when the target samples, 0 or 1 when greedy)."""
     succ = {n: (a, b) for n, a, b in re.findall(r"(\w+) is (\w+) or (\w+)", question.split(". ", 1)[-1])}
     m = re.match(r"Walk from (\w+)\.", question)
@@ -85,8 +88,8 @@ def walk_check(question: str, reasoning: str) -> dict:
         if not s:
             continue
         steps += 1
-        i, node, a, b, nxt = s.groups()
-        ok = int(i) == steps and node == cur and succ.get(node) == (a, b) and nxt in (a, b)
+        node, a, b, nxt = s.groups()
+        ok = node == cur and succ.get(node) == (a, b) and nxt in (a, b)
         good += ok
         first += nxt == a
         cur = nxt

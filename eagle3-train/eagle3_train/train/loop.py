@@ -85,7 +85,7 @@ def resolve_draft(config: TrainConfig, inp, out: Path) -> None:
     """--draft-arch auto, the step norms' None (by the layer), K and the DFlash block recorded as
     what they resolve to: the manifest says what ran, and a run recorded before those were resolved
     resumes as it ran (a recorded `auto` is what auto resolves to; a DFlash block recorded as None
-    meant K + 1; the norms resume where unchanged)."""
+    meant K + 1; a bare rerun keeps its recorded --block-causal; the norms resume where unchanged)."""
     from eagle3_train.common import rerun
 
     was = {} if config.overwrite else (rerun.read_record(out) or {}).get("config") or {}
@@ -102,6 +102,8 @@ def resolve_draft(config: TrainConfig, inp, out: Path) -> None:
         if arch == "dflash" and "block_causal" not in was and config.block_causal is None:
             config.block_causal = False  # recorded before the flag: its blocks trained non-causal
             aliases["block_causal"] = (None, False)
+        elif arch == "dflash" and config.block_causal is None:
+            config.block_causal = was["block_causal"]  # the bare rerun resumes its block, whatever the default
     if aliases:
         config.record_aliases = aliases
     config.draft_arch = arch
