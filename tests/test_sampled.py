@@ -19,6 +19,7 @@ from eagle3_train.common.acceptance import (
     summarize,
 )
 from eagle3_train.common.hidden_store import HiddenStates
+from helpers import SampleStore
 from helpers_draft import make_greedy_store, make_random_draft
 from reliability import assert_one_error_line, run_inprocess  # noqa: F401
 
@@ -134,16 +135,129 @@ def test_offline_sampled_probabilities_are_the_targets_at_the_proposed_positions
     with torch.no_grad():
         probs = (model(s.input_ids[None]).logits[0] / 0.7).softmax(-1)
     n = s.input_ids.shape[0] - 1
+    # the oracle (reach): the target's greedy token at every depth, so its p is the row's largest
+    same, reach = accept_probs(s, d, head, 0.7, 1.0, greedy=head.greedy(s.last)[1:])
+    assert torch.equal(same, p)
     for k in range(K):
         t = torch.arange(n - 1 - k)
         assert torch.allclose(p[k, t], probs[t + 1 + k, d[k][t]], atol=1e-5)
+        assert torch.allclose(reach[k, t], probs[t + 1 + k].max(-1).values, atol=1e-5)
     res = offline_eval(draft, head, store, store.ids, K, temperature=0.7, seed=3)
     assert res["walk"] == "sampled" and res["walk_se"] < 0.01 and res["repeats"] >= 32
+    assert res["share_of_reach"] == res["acceptance_length"] / res["reach_al"] < 1 < res["reach_al"]
     assert "acceptance_length" in res["greedy"]
     assert sum(res["by_position"]["counts"]["drafts"]) == res["counts"]["drafts"]  # sums over the draws
     assert res["drafts"] == round(res["counts"]["drafts"] / res["repeats"])  # one draw's: vLLM's count
     assert offline_eval(draft, head, store, store.ids, K, temperature=0.7, seed=3) == res  # seeded
     assert offline_eval(draft, head, store, store.ids, K)["walk"] == "greedy"
+
+
+# ----------------------------------------------------------------------------- the reach
+# An oracle draft proposes the target's greedy token at every depth; walked over the same draws as
+# the draft, its AL is the most any draft gets at that temperature (the target's entropy caps it).
+
+FLAT_FROM = 150  # the target's distribution is peaked for the tokens before this position, flat from it on
+PEAKED, FLAT = [0.0, -8.0, -8.0, -8.0], [0.0, -0.3, -0.6, -0.9]  # logits of the target's top 4
+
+
+def topk_sample(sid: str, n: int, seed: int):
+    """Greedy data kept as the target's top 4 (row i: its distribution for token i + 1, whose top-1 is
+    the data's token, the others tokens the data never holds), peaked before FLAT_FROM, flat from it."""
+    from eagle3_train.common.hidden_store import SampleStates
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 50, (n,), generator=g)
+    top = torch.stack([torch.cat([ids[1:], ids[:1]])] + [torch.full((n,), 50 + c) for c in range(3)], 1)
+    flat = (torch.arange(n) + 1 >= FLAT_FROM)[:, None]
+    logits = torch.where(flat, torch.tensor(FLAT), torch.tensor(PEAKED)).log_softmax(-1)
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[:4] = False  # a 4-token prompt
+    return SampleStates(sid, ids, mask, torch.zeros(n, 1, 4), None, top, logits)
+
+
+def data_draft(model, samples, k, aux_index=None):
+    """offline.draft_step_tokens' stand-in proposing the data's tokens (the target's greedy ones here):
+    step j at frame position t -> token t + 2 + j; none (-1) past the end."""
+    return [[torch.cat([s.input_ids[2 + j:], torch.full((j + 1,), -1)]) for j in range(k)] for s in samples]
+
+
+def no_draft(model, samples, k, aux_index=None):
+    """A draft always wrong: no proposal anywhere (p = 0)."""
+    return [[torch.full((len(s.input_ids) - 1,), -1) for _ in range(k)] for s in samples]
+
+
+def reach_eval(monkeypatch, draft, temperature=1.0):
+    from eagle3_train.evaluate import offline
+
+    monkeypatch.setattr(offline, "draft_step_tokens", draft)
+    store = SampleStore([topk_sample(f"s{i}", 300, i) for i in range(3)])
+    return offline.offline_eval(object(), None, store, store.ids, K, temperature=temperature, seed=5,
+                                edges=(0, FLAT_FROM))
+
+
+def closed_form(logits: list[float]) -> float:
+    """AL of a draft whose K steps are each accepted with the target's top-1 probability."""
+    p = float(torch.tensor(logits).softmax(-1)[0])
+    return 1 + sum(p ** (j + 1) for j in range(K))
+
+
+def test_a_draft_equal_to_the_oracle_has_the_reach_and_a_wrong_one_one_over_it(monkeypatch):
+    """The oracle walks over the same uniforms as the draft: the same proposals give the same counts
+    exactly (share 1.0 overall and in every bucket); a draft that never proposes gets AL 1, 1 / reach."""
+    res = reach_eval(monkeypatch, data_draft)
+    assert res["walk"] == "sampled" and res["reach_al"] == res["acceptance_length"] and res["share_of_reach"] == 1.0
+    bp = res["by_position"]
+    assert bp["reach_counts"] == bp["counts"] and all(r["drafts"] for r in bp["rows"])
+    assert [(r["reach_al"], r["share_of_reach"]) for r in bp["rows"]] == [(r["acceptance_length"], 1.0)
+                                                                        for r in bp["rows"]]
+    wrong = reach_eval(monkeypatch, no_draft)
+    assert wrong["acceptance_length"] == 1.0 and wrong["share_of_reach"] == pytest.approx(1 / wrong["reach_al"])
+    assert wrong["reach_al"] == pytest.approx(res["reach_al"], abs=0.03)  # the target's, whatever the draft
+    for r in wrong["by_position"]["rows"]:
+        assert r["acceptance_length"] == 1.0 and r["share_of_reach"] == pytest.approx(1 / r["reach_al"])
+
+
+def test_the_reach_falls_where_the_targets_entropy_rises_and_a_perfect_drafts_share_stays_one(monkeypatch):
+    """Bucket 0: the target's distribution peaked, bucket 1: flat. The perfect draft is always right
+    (greedy AL near 1 + K in both), yet its sampled AL falls with the reach; its share stays 1."""
+    res = reach_eval(monkeypatch, data_draft)
+    peaked, flat = res["by_position"]["rows"]
+    assert peaked["reach_al"] == pytest.approx(closed_form(PEAKED), abs=0.05)
+    # below the closed form by the drafts cut short at each sequence's end (counted rejected)
+    assert closed_form(FLAT) - 0.05 < flat["reach_al"] < closed_form(FLAT) + 0.01
+    assert flat["reach_al"] < 1.6 < 3.9 < peaked["reach_al"]
+    assert peaked["share_of_reach"] == flat["share_of_reach"] == 1.0
+    greedy = res["greedy"]["by_position"]["rows"]
+    assert min(r["acceptance_length"] for r in greedy) > 3.9  # the draft did not get worse: the text got harder
+
+
+def test_greedy_reports_have_no_reach_and_sampled_ones_show_it(monkeypatch):
+    """At temperature 0 nothing of the reach is computed or written (the table as before); at a
+    temperature above 0 the table has reach and share, the report the overall figures."""
+    from eagle3_train.common import positions
+    from eagle3_train.evaluate import offline
+    from eagle3_train.evaluate.report import build_report, render_markdown
+
+    def refuse(*a, **kw):
+        raise AssertionError("the target's probabilities computed for a greedy evaluation")
+
+    monkeypatch.setattr(offline, "accept_probs", refuse)
+    greedy = reach_eval(monkeypatch, data_draft, temperature=0.0)
+    assert "reach" not in json.dumps(greedy)
+    head = "| position | drafts | AL | p1 | p2 | p3 | note |"
+    assert positions.table(greedy["by_position"]["rows"], K).splitlines()[0] == head
+    run = {"k": K, "draft": {"path": "d"}, "target": {"name_or_path": "t"},
+           "online": {"concurrency": [], "sampling": {}}}
+    md = render_markdown(build_report(run, greedy, {}))
+    assert head in md and "reach" not in md
+    monkeypatch.undo()
+    sampled = reach_eval(monkeypatch, data_draft)
+    md = render_markdown(build_report(run, sampled, {}))
+    assert "| position | drafts | AL | reach | share | p1 | p2 | p3 | note |" in md, md
+    peaked = sampled["by_position"]["rows"][0]
+    row = f"| 0-150 | {peaked['drafts']} | {peaked['acceptance_length']:.3f} | {peaked['reach_al']:.3f} | 1.000 |"
+    assert row in md
+    assert f"would reach AL {sampled['reach_al']:.3f} (reach_al)" in md
 
 
 # ----------------------------------------------------------------------------- bad inputs
@@ -188,5 +302,11 @@ def test_05_records_the_sampled_walk_and_refuses_a_rerun_at_another_temperature(
     assert (off["walk"], off["temperature"], off["top_p"]) == ("sampled", 1.0, 1.0) and off["walk_se"] < 0.01
     assert off["repeats"] >= 8 and "acceptance_length" in off["greedy"]
     assert json.loads((out / "report.json").read_text())["offline"]["walk"] == "sampled"
+    assert off["reach_al"] > 1 and all("reach_al" in r for r in off["by_position"]["rows"])
+    # a sampled walk recorded without the reach is recounted on a rerun, not reported without it
+    (out / "offline.json").write_text(json.dumps({k: v for k, v in off.items() if k != "reach_al"}))
+    assert stage_cli("05_evaluate").main(argv) == 0
+    assert json.loads((out / "offline.json").read_text()) == off
+    assert "reach_al" in json.loads((out / "report.json").read_text())["offline"]
     with pytest.raises(PipelineError):
         stage_cli("05_evaluate").main(argv[:-4])  # the greedy walk on the same directory: other settings

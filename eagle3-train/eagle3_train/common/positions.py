@@ -168,17 +168,35 @@ def block(counts: dict, min_drafts: int = MIN_DRAFTS) -> dict:
     return {"edges": list(counts["edges"]), "counts": counts, "rows": summarize(counts, min_drafts)}
 
 
+def with_reach(block: dict, reach_counts: dict) -> dict:
+    """`block` with an oracle draft's counts over the same buckets (`reach_counts`: the target's
+    own greedy token at every depth, walked like the draft): each row gets `reach_al` (the oracle's
+    AL) and `share_of_reach` (the draft's AL / it), None where either has no drafts."""
+    if reach_counts["edges"] != block["edges"]:
+        raise ValueError("reach counted with other bucket edges than the draft")
+    rows = []
+    for r, o in zip(block["rows"], summarize(reach_counts)):
+        al, reach = r["acceptance_length"], o["acceptance_length"]
+        rows.append({**r, "reach_al": reach, "share_of_reach": al / reach if al is not None and reach else None})
+    return {**block, "rows": rows, "reach_counts": reach_counts}
+
+
 def table(rows: Sequence[dict], k: int | None = None) -> str:
-    """Markdown: bucket | drafts | AL | rate at each draft position (p1..pK) | note."""
+    """Markdown: bucket | drafts | AL | rate at each draft position (p1..pK) | note; with rows of
+    `with_reach`, also reach (the oracle's AL) and share (AL / reach) after AL."""
     k = k if k is not None else max((len(r["per_position_rate"] or []) for r in rows), default=0)
-    head = ["position", "drafts", "AL"] + [f"p{j + 1}" for j in range(k)] + ["note"]
+    reach = any("reach_al" in r for r in rows)
+    head = ["position", "drafts", "AL"] + (["reach", "share"] if reach else []) + \
+        [f"p{j + 1}" for j in range(k)] + ["note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        extra = [f"{x:.3f}" if x is not None else "-" for x in (r.get("reach_al"), r.get("share_of_reach"))] \
+            if reach else []
         if not r["drafts"]:
-            cells = [r["bucket"], "0", "-"] + ["-"] * k + ["no drafts"]
+            cells = [r["bucket"], "0", "-"] + extra + ["-"] * k + ["no drafts"]
         else:
             rates = (r["per_position_rate"] + [None] * k)[:k]
-            cells = [r["bucket"], str(r["drafts"]), f"{r['acceptance_length']:.3f}"] + \
+            cells = [r["bucket"], str(r["drafts"]), f"{r['acceptance_length']:.3f}"] + extra + \
                 [f"{x:.3f}" if x is not None else "-" for x in rates] + \
                 ["few drafts" if r["few"] else ""]
         lines.append("| " + " | ".join(cells) + " |")

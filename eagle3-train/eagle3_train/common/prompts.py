@@ -278,3 +278,12 @@ def load_prompts(source: str, *, split: str = "train", config: str | None = None
     if not prompts:
         raise PipelineError(f"{flag} {source}: no prompts selected ({counts})")
     return PromptSet(prompts, desc, counts)
+
+
+def sample_seed(seed: int | None, pid: str) -> int | None:
+    """Per-sample seed from the run seed and the id: reproducible, yet not one stream for all (one
+    seed for every request would give them all the same draws: at temperature > 0 their answers
+    would stop, branch and be accepted together)."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + int(hashlib.sha256(pid.encode()).hexdigest()[:8], 16)) % (2 ** 31)

@@ -78,7 +78,8 @@ class EvalConfig(StageConfig):
                                            "requests (a proposal accepted with the target's probability of it), "
                                            "from the store's last hidden state or top-k")
     top_p: float = setting(1.0, help="nucleus sampling")
-    seed: int = setting(0, help="sampling seed (and the offline sampled walk's)")
+    seed: int = setting(0, help="sampling seed: each request gets its own from it and the prompt's id, the same "
+                                "in every arm (and the offline sampled walk's)")
     sampled_repeats: int = setting(32, help="with --temperature above 0 and --store: draws of the offline sampled "
                                             "walk per sample to start with; more are drawn until its AL's "
                                             "standard error is below 0.01")

@@ -5,7 +5,9 @@ compared with the target's own greedy token; acceptance is the chain rule of
 `acceptance.chain_acceptance`, counted where vLLM drafts (its walk: after the prefill token, then
 accepted + 1 on), so the offline AL is the figure vLLM reports; `al_all_positions` is the
 every-position average. At a temperature above 0 a proposal is accepted with the target's
-probability of it instead (acceptance.sampled_walk: vLLM's verification of a greedy draft)."""
+probability of it instead (acceptance.sampled_walk: vLLM's verification of a greedy draft), and
+the same walk of an oracle draft (the target's own greedy token at every depth) gives the reach:
+the AL the target's entropy leaves to any draft, overall and by position."""
 
 from __future__ import annotations
 
@@ -159,8 +161,9 @@ def offline_eval(model, head, store, ids: Sequence[str], k: int, *,
                 ids_s, mask_s = s.input_ids[1:], s.loss_mask[1:]
                 correct, valid = draft_correctness(d, ids_s, mask_s, ref)
                 stats.append(chain_acceptance(correct, valid, first_drafted(len(ids_s)), edges))
-                if temperature > 0:
-                    parts.append((accept_probs(s, d, head, temperature, top_p), valid, first_drafted(len(ids_s))))
+                if temperature > 0:  # the draft's p and the oracle's (its proposals are `ref`) from the same rows
+                    p, p_reach = accept_probs(s, d, head, temperature, top_p, greedy=ref)
+                    parts.append((p, valid, first_drafted(len(ids_s)), p_reach))
                 tokens += int(s.input_ids.shape[0])
                 m = s.loss_mask[1:].bool()
                 same += int((greedy[:-1][m] == s.input_ids[1:][m]).sum())
@@ -177,10 +180,13 @@ def offline_eval(model, head, store, ids: Sequence[str], k: int, *,
     return sampled_figures(out, parts, temperature, top_p, repeats, seed, edges) if temperature > 0 else out
 
 
-def accept_probs(s, draft_tokens: list[torch.Tensor], head, temperature: float, top_p: float) -> torch.Tensor:
+def accept_probs(s, draft_tokens: list[torch.Tensor], head, temperature: float, top_p: float,
+                 greedy: torch.Tensor | None = None):
     """p [K, n] in draft_step_tokens' frame: vLLM's acceptance probability of each proposal, the
     target's probability of it at `temperature` / `top_p` (acceptance.proposal_probs), from the last
-    hidden state through the target's head (full vocabulary, in chunks) or the stored top-k."""
+    hidden state through the target's head (full vocabulary, in chunks) or the stored top-k.
+    With `greedy` [n] (the target's greedy token in the same frame, offline_eval's `ref`): (p, the
+    oracle's p), the oracle proposing greedy[j + i] at frame position j, depth i."""
     if s.last is not None and head is not None:
         last = s.last[1:]  # frame row j = the target's distribution for token j + 2: its state at j + 1
 
@@ -192,18 +198,24 @@ def accept_probs(s, draft_tokens: list[torch.Tensor], head, temperature: float, 
     else:
         raise PipelineError(f"sample {s.id} keeps neither the last hidden state nor top-k: the target's "
                             "probabilities for the sampled walk are unknown")
-    return proposal_probs(draft_tokens, rows, temperature, top_p)
+    return proposal_probs(draft_tokens, rows, temperature, top_p, greedy=greedy)
 
 
 def sampled_figures(greedy: dict, parts: list, temperature: float, top_p: float, repeats: int, seed: int,
                     edges: Sequence[int]) -> dict:
     """The offline result with the sampled walk's figures (acceptance.sampled_walk) in place of the
     greedy walk's, which stay under "greedy". Its counts (and by_position's) are sums over the
-    draws; `drafts` is one draw's mean, the number vLLM would make."""
-    counts, mc = sampled_walk(parts, seed=seed, repeats=repeats, edges=edges)
-    by_position = positions.block(counts.pop("by_position"))
+    draws; `drafts` is one draw's mean, the number vLLM would make. `parts`: (p, valid, first
+    position, the oracle's p) per sample; `reach_al` is the oracle's AL over the same draws and
+    `share_of_reach` the draft's share of it, by position too (positions.with_reach)."""
+    counts, mc = sampled_walk([x[:3] for x in parts], seed=seed, repeats=repeats, edges=edges,
+                              reach=[x[3] for x in parts])
+    reach = mc.pop("reach")
+    by_position = positions.with_reach(positions.block(counts.pop("by_position")), reach.pop("by_position"))
     keep = ("k", "samples", "tokens", "data_matches_greedy")
     rates = {**summarize(counts), "drafts": round(counts["drafts"] / max(mc["repeats"], 1))}
+    reach_al = summarize(reach)["acceptance_length"]
+    rates |= {"reach_al": reach_al, "share_of_reach": rates["acceptance_length"] / reach_al}
     return {**rates, "counts": counts, "by_position": by_position, **{x: greedy[x] for x in keep},
             "walk": "sampled", "temperature": temperature, "top_p": top_p, "seed": seed, **mc,
             "greedy": {x: v for x, v in greedy.items() if x not in keep and x != "walk"}}

@@ -20,6 +20,7 @@ from eagle3_train.common import positions
 from eagle3_train.common.client import ChatClient, parse_completion
 from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.progress import Progress
+from eagle3_train.common.prompts import sample_seed
 from eagle3_train.common.server_wait import log_line, wait_for_servers
 from eagle3_train.evaluate.config import ARMS, RECORD_FLAG
 
@@ -192,8 +193,9 @@ async def _run_prompts(base_url: str, model: str, prompts: list, concurrency: in
 
     async with RecordingClient([base_url], model, timeout=timeout, max_retries=2, concurrency=concurrency) as client:
         async def one(p):
+            own = {**params, "seed": sample_seed(params["seed"], p.id)} if params.get("seed") is not None else params
             async with sem:
-                res = await client.complete(client.body(p.messages, params, extra_body=extra))
+                res = await client.complete(client.body(p.messages, own, extra_body=extra))
             if not res.ok:
                 errors.append(f"{p.id}: {res.error.get('error_type')}: {res.error.get('message')}")
                 if prog:

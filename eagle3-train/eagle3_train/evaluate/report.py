@@ -181,6 +181,9 @@ def plot_positions(rep: dict, path: Path) -> bool:
         few = [(x, y) for x, y, r in zip(xs, ys, part["rows"]) if r["drafts"] and r["few"]]
         if few:  # too few drafts to compare: an open marker
             ax.plot(*zip(*few), "o", markerfacecolor="white", markeredgecolor=line.get_color(), linestyle="none")
+        if any(r.get("reach_al") is not None for r in part["rows"]):  # the sampled walk's ceiling
+            reach = [r["reach_al"] if r.get("reach_al") is not None else float("nan") for r in part["rows"]]
+            ax.plot(xs[:len(reach)], reach, linestyle=":", color=line.get_color(), label=f"{name} reach")
     ax.set_xticks(xs, positions.labels(edges))
     ax.set(xlabel="position of the draft's first token (prompt + answer); open: under "
                   f"{positions.MIN_DRAFTS} drafts", ylabel="acceptance length (AL)",
@@ -268,6 +271,10 @@ def render_markdown(rep: dict) -> str:
         lines.append(f"Offline AL {off['acceptance_length']:.3f} counts drafts where vLLM makes them (after "
                      f"each accepted run and bonus token); a draft at every position would give "
                      f"{off['al_all_positions']:.3f} (al_all_positions).")
+    if off and off.get("reach_al") is not None:
+        lines.append(f"At temperature {off['temperature']} a draft proposing the target's own greedy token every "
+                     f"time would reach AL {off['reach_al']:.3f} (reach_al): the draft's offline AL is "
+                     f"{off['share_of_reach']:.1%} of it (share_of_reach; by position: reach and share).")
     if off and off.get("data_matches_greedy") is not None and off["data_matches_greedy"] < 0.99:
         lines.append(f"Note: only {off['data_matches_greedy']:.1%} of the stored tokens are the target's "
                      "greedy choice (sampled data), so offline acceptance is an estimate.")

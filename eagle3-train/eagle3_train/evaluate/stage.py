@@ -173,6 +173,8 @@ class Evaluation:
             offline = None
         if offline and (offline.get("by_position") or {}).get("edges") != list(config.position_edges):
             offline = None  # counted before by-position counts, or at other buckets
+        if offline and offline.get("walk") == "sampled" and "reach_al" not in offline:
+            offline = None  # a sampled walk counted before the reach
         if offline is None:
             print(f"[05] offline: {len(self.ids)} samples ({self.selection}), K={k}", flush=True)
             if self._offline_models is None:

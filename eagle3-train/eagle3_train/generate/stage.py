@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as _dt
-import hashlib
 import json
 import math
 import signal
@@ -35,7 +34,7 @@ from eagle3_train.common.config import GENERATE
 from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.manifest import MANIFEST, describe_file, write_manifest
 from eagle3_train.common.progress import Progress
-from eagle3_train.common.prompts import Prompt, load_prompts, parse_shard
+from eagle3_train.common.prompts import Prompt, load_prompts, parse_shard, sample_seed
 from eagle3_train.common.server_metrics import CACHE_INFO, cache_tokens, fitting_concurrency, gauges, metrics_url
 from eagle3_train.common.server_wait import wait_for_servers
 from eagle3_train.common.store import DirLock, JsonlWriter, atomic_write_text, clean_temp_files, pending_ids, read_jsonl
@@ -66,13 +65,6 @@ def plan_work(requested: list[str], committed, failed) -> Plan:
     pending = pending_ids(requested, committed)
     return Plan(pending, sum(1 for i in set(requested) if i in committed),
                 sum(1 for i in pending if i in failed))
-
-
-def sample_seed(seed: int | None, pid: str) -> int | None:
-    """Per-sample seed from the run seed and the id: reproducible, yet not one stream for all."""
-    if seed is None:
-        return None
-    return (seed * 1_000_003 + int(hashlib.sha256(pid.encode()).hexdigest()[:8], 16)) % (2 ** 31)
 
 
 def sampling_for(args, pid: str) -> dict:
