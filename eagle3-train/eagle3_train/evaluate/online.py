@@ -193,7 +193,7 @@ async def _run_prompts(base_url: str, model: str, prompts: list, concurrency: in
 
     async with RecordingClient([base_url], model, timeout=timeout, max_retries=2, concurrency=concurrency) as client:
         async def one(p):
-            own = {**params, "seed": sample_seed(params["seed"], p.id)} if params.get("seed") is not None else params
+            own = {**params, "seed": sample_seed(params.get("seed"), p.id)}  # None stays unseeded: body drops it
             async with sem:
                 res = await client.complete(client.body(p.messages, own, extra_body=extra))
             if not res.ok:
