@@ -394,6 +394,10 @@ def test_plan_prints_both_paths_and_the_cheaper(capsys):
     assert stage_cli("00_plan").main(["--target", str(target), "--weights-gb", "554", "--gpu-memory-gb", "96",
                                         "--gen-servers", "8"]) == 0
     assert "cheaper: neither path finishes" in capsys.readouterr().out
+    # a run of a few samples: both paths round to 0 h, and the table still prints
+    assert stage_cli("00_plan").main(["--target", str(target), "--weights-gb", "554", "--gpu-memory-gb", "96",
+                                        "--samples", "1", "--tokens-per-sample", "1100"]) == 0
+    assert "(both under a minute); disk" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("gpu0,expected", [(102.6, 102.6), (None, 96.0)])

@@ -19,9 +19,9 @@ token 5,000, so acceptance that falls along the answer is the draft's doing, not
 
 The walk stops the first time it takes its graph's stop edge (STOPS: from a node the walk rarely
 visits, ~1 step in 170 by day and 190 by night), a rule read off the step just written, so the
-target learns it exactly and its sampled answers are as long as the task's (a random stop with
-probability 1/n a step is learnt several times too likely by a target this small). Walks that would
-pass MAX_STEPS are drawn again, so every training answer ends by the rule. Greedy decoding stops
+target learns it exactly, and trained with every token weighing the same (train_tiny_target's
+even_tokens) its sampled answers are as long as the task's. Walks that would pass MAX_STEPS are
+drawn again, so every training answer ends by the rule. Greedy decoding stops
 only if the walk the target prefers crosses the stop edge. Same chat format and tokenizer as the
 tiny target (eagle3_testkit.tiny); the same (n, seed) always gives the same list.
 """

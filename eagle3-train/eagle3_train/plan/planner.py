@@ -502,8 +502,9 @@ def capture_lines(p: dict, gb) -> list[str]:
         return rows + ["cheaper: neither path finishes (see 01b's servers above)"]
     name = {"capture": "capture (01b --capture-hidden-states)", "two_pass": "two-pass (01b, then 02)"}[c["cheaper"]]
     cheap, other = (row["hours"], two["hours"]) if c["cheaper"] == "capture" else (two["hours"], row["hours"])
-    by = ("the other never finishes" if c["saves_hours"] is None else
-          f"by {c['saves_hours']:,.1f} h (the other takes {other / cheap:.2f}x as long)")
+    # hours are rounded to 0.01: a run of a few samples plans both paths at 0
+    ratio = f"the other takes {other / cheap:.2f}x as long" if cheap else "both under a minute"
+    by = "the other never finishes" if c["saves_hours"] is None else f"by {c['saves_hours']:,.1f} h ({ratio})"
     return rows + [f"cheaper: {name}, {by}; disk {gb(c['saves_disk'])} less (the same answers and store)"]
 
 
