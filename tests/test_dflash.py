@@ -12,6 +12,7 @@ import pytest
 import torch
 from eagle3_train.common.errors import PipelineError
 from eagle3_train.train import run
+from eagle3_train.train.config import DFLASH_WINDOW
 from eagle3_train.train.metrics import read_metrics
 from helpers import inputs_argv, make_training_set, stage_cli, train_argv
 from helpers_train import train_inputs
@@ -47,6 +48,9 @@ def test_export_is_the_speculators_dflash_format_vllm_reads(inputs, reference):
     # a causal block by default; vLLM makes every layer causal unless this is true (update_dflash)
     assert cfg["sliding_window_non_causal"] is False and cfg["sample_from_anchor"] is False
     assert cfg["transformer_layer_config"]["is_causal"] is True and man["config"]["block_causal"] is True
+    # a DFlash draft attends through a window by default, exported where vLLM reads it
+    assert man["config"]["draft_window"] == DFLASH_WINDOW == cfg["transformer_layer_config"]["sliding_window"]
+    assert cfg["transformer_layer_config"]["layer_types"] == ["sliding_attention"]
     assert cfg["transformer_layer_config"]["model_type"] == "qwen3"
     w = load_file(str(reference / "export" / "model.safetensors"))
     n_aux, target_h = len(cfg["aux_hidden_state_layer_ids"]), cfg["target_hidden_size"]
@@ -541,8 +545,24 @@ def test_a_run_recorded_before_the_block_flags_resumes_as_it_ran(inputs, referen
     assert rec["config"]["block_causal"] is True and rec["config"]["block_anchors"] is None
     del rec["config"]["block_causal"]
     rec["config"]["block_anchors"] = 512
+    rec["config"]["draft_window"] = None  # full attention: DFlash's default then
     (out / "run.json").write_text(json.dumps(rec))
     assert train(inputs, out)["counts"]["steps"] > 0  # the finished run's manifest, nothing refused
+
+
+def test_a_run_recorded_before_the_default_window_resumes_with_full_attention(inputs, reference, tmp_path):
+    """A DFlash run recorded with full attention (DFlash's default before its window) is resumed by its
+    own command, which now means a window, as it ran; asking for the window is refused."""
+    import shutil
+
+    out = tmp_path / "full"
+    shutil.copytree(reference, out)
+    rec = json.loads((out / "run.json").read_text())
+    rec["config"]["draft_window"] = None
+    (out / "run.json").write_text(json.dumps(rec))
+    assert train(inputs, out)["counts"]["steps"] > 0  # the finished run's manifest, nothing refused
+    with pytest.raises(PipelineError, match=f"draft_window=None; this run has draft_window={DFLASH_WINDOW}"):
+        train(inputs, out, draft_window=DFLASH_WINDOW)
 
 
 def test_a_bare_rerun_keeps_the_block_causality_it_recorded(inputs, reference, tmp_path):
@@ -554,6 +574,7 @@ def test_a_bare_rerun_keeps_the_block_causality_it_recorded(inputs, reference, t
     shutil.copytree(reference, out)
     rec = json.loads((out / "run.json").read_text())
     rec["config"]["block_causal"] = False
+    rec["config"]["draft_window"] = None  # a non-causal block takes no window
     (out / "run.json").write_text(json.dumps(rec))
     assert train(inputs, out)["counts"]["steps"] > 0  # the finished run's manifest, nothing refused
     with pytest.raises(PipelineError, match="block_causal"):

@@ -166,6 +166,15 @@ def test_a_window_past_every_sample_is_one_warning_and_trains(inputs, tmp_path, 
 def test_parse_window():
     assert parse_window(None) is None and parse_window("none") is None and parse_window("0") is None
     assert parse_window("16") == 16 and parse_window(16) == 16
+    assert parse_window("auto") == parse_window(" Auto") == "auto"
+
+
+def test_the_default_window_is_dflash_s_with_a_causal_block_only():
+    from eagle3_train.train.config import DFLASH_WINDOW, auto_window
+
+    assert auto_window("dflash", True) == DFLASH_WINDOW
+    assert auto_window("dflash", False) is None  # a non-causal block takes no window in vLLM
+    assert auto_window("llama", True) is None and auto_window("mla", True) is None
 
 
 @pytest.mark.parametrize("value, arch, says", [

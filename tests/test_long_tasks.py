@@ -155,6 +155,21 @@ def test_long_bench_refuses_bad_flags_in_one_line(tmp_path, capsys):
     assert bench.parse_args(["--arms", "eagle3-w256,eagle3-s1,eagle3-w256-s1"]).arms.count("w256") == 2
 
 
+def test_same_answers_bench_refuses_bad_flags_in_one_line(tmp_path, capsys, llama_target_dir):
+    from eagle3_train.common.errors import run_main
+
+    bench = load_script("bench/same_answers")
+    base = ["--target", str(llama_target_dir), "--draft", str(llama_target_dir), "--out", str(tmp_path / "out")]
+    for flags, word in ((["--k", "0"], "--k"), (["--position-buckets", "2k,1k"], "--position-buckets"),
+                        (["--temperature", "-1"], "--temperature"), (["--prompts", str(tmp_path / "no")], "--prompts"),
+                        (["--answers", str(tmp_path / "no")], "--answers"),
+                        (["--draft", str(tmp_path / "none")], "--draft")):
+        assert run_main(bench.main, [*base, *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and word in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_long_bench_offline_only_leaves_out_the_served_flags(tmp_path):
     bench = load_script("bench/long")
     d = {"hidden": tmp_path / "02", "heldout": tmp_path / "heldout.jsonl"}

@@ -87,7 +87,7 @@ def test_step_positions_and_from_vllm_steps():
     assert positions.step_positions(10, [2, 0, 3, 1]) == [11, 14, 15, 19]
     assert positions.step_positions(10, []) == []
     c = positions.from_vllm_steps(510, [0, 3, 1], [3, 3, 2], k=3)
-    assert c == positions.count([511, 512, 516], [0, 3, 1], 3)
+    assert c == {**positions.count([511, 512, 516], [0, 3, 1], 3), "answers": [1, 1, 0, 0, 0]}
     assert c["drafts"][:2] == [1, 2]
     with pytest.raises(ValueError, match="differ in length"):
         positions.from_vllm_steps(10, [1, 2], [3], k=3)
@@ -106,6 +106,24 @@ def test_summarize_rates_and_few():
     assert positions.summarize(c, min_drafts=61)[0]["few"] is True
     b = positions.block(c)
     assert set(b) == {"edges", "counts", "rows"} and b["edges"] == list(positions.EDGES) and b["rows"] == rows
+
+
+def test_answers_merge_only_when_every_part_counted_them_and_few_answers_is_marked():
+    one = [positions.from_vllm_steps(10, [3] * 60, [3] * 60, k=3) for _ in range(3)]  # 3 answers, 60 drafts each
+    m = positions.merge(one)
+    assert m["answers"] == [3, 0, 0, 0, 0] and m["drafts"][0] == 180
+    assert "answers" not in positions.merge([*one, positions.count([0], [1], 3)])  # a part counted otherwise
+    rows = positions.summarize(m)
+    assert rows[0]["answers"] == 3 and rows[0]["few"] is True  # 180 drafts, but from 3 answers
+    assert positions.summarize(m, min_answers=3)[0]["few"] is False
+    assert positions.summarize(positions.merge(one * 3))[0]["few"] is False  # 9 answers
+    assert "answers" not in positions.summarize(positions.count([0] * 60, [1] * 60, 3))[0]
+    lines = positions.table(rows).splitlines()
+    assert lines[0] == "| position | drafts | answers | AL | p1 | p2 | p3 | note |"
+    assert lines[2] == "| 0-512 | 180 | 3 | 4.000 | 1.000 | 1.000 | 1.000 | few answers |"
+    assert lines[3] == "| 512-2k | 0 | 0 | - | - | - | - | no drafts |"
+    many = positions.merge([positions.from_vllm_steps(10, [3], [3], k=3)] * 9)  # 9 answers, 9 drafts
+    assert positions.table(positions.summarize(many)).splitlines()[2].endswith("| few drafts |")
 
 
 def test_table():
@@ -268,7 +286,14 @@ def test_04_validation_counts_equal_05_offline_on_packed_rows(fake_draft):
     for edges in (positions.EDGES, (0, 16, 33, 60), per_position(80)):
         s04 = validation_counts(store, store.ids, k, edges)
         s05 = offline_eval(fake_draft, None, store, store.ids, k, tokens_per_batch=1, edges=edges)
-        assert s04["by_position"] == s05["by_position"]["counts"]
+        c05 = dict(s05["by_position"]["counts"])
+        answers = c05.pop("answers")  # 05 counts one answer at a time, 04 a packed batch: only 05 knows them
+        assert s04["by_position"] == c05 and "answers" not in s04["by_position"]
+        alone = [offline_eval(fake_draft, None, store, [s.id], k, edges=edges)["by_position"]["counts"]["drafts"]
+                 for s in samples]
+        assert answers == [sum(d[b] > 0 for d in alone) for b in range(len(edges))]
+        assert [r["answers"] for r in s05["by_position"]["rows"]] == answers
+        assert answers[0] == len(samples) or edges != positions.EDGES  # every sample drafts before 512
         assert s04["drafts"] == s05["drafts"] == sum(s04["by_position"]["drafts"])
         assert s04["accepted"] == s05["counts"]["accepted"] == sum(s04["by_position"]["accepted"])
     # one document at a time, at one bucket per position: vLLM's record of that request

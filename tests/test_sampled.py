@@ -148,6 +148,10 @@ def test_offline_sampled_probabilities_are_the_targets_at_the_proposed_positions
     assert "acceptance_length" in res["greedy"]
     assert sum(res["by_position"]["counts"]["drafts"]) == res["counts"]["drafts"]  # sums over the draws
     assert res["drafts"] == round(res["counts"]["drafts"] / res["repeats"])  # one draw's: vLLM's count
+    answers = [r["answers"] for r in res["by_position"]["rows"]]  # the samples, not the draws
+    assert answers == [sum(d > 0 for d in c) for c in zip(*(offline_eval(
+        draft, head, store, [sid], K)["by_position"]["counts"]["drafts"] for sid in store.ids))]
+    assert 0 < max(answers) <= len(store.ids)
     assert offline_eval(draft, head, store, store.ids, K, temperature=0.7, seed=3) == res  # seeded
     assert offline_eval(draft, head, store, store.ids, K)["walk"] == "greedy"
 
@@ -244,7 +248,7 @@ def test_greedy_reports_have_no_reach_and_sampled_ones_show_it(monkeypatch):
     monkeypatch.setattr(offline, "accept_probs", refuse)
     greedy = reach_eval(monkeypatch, data_draft, temperature=0.0)
     assert "reach" not in json.dumps(greedy)
-    head = "| position | drafts | AL | p1 | p2 | p3 | note |"
+    head = "| position | drafts | answers | AL | p1 | p2 | p3 | note |"
     assert positions.table(greedy["by_position"]["rows"], K).splitlines()[0] == head
     run = {"k": K, "draft": {"path": "d"}, "target": {"name_or_path": "t"},
            "online": {"concurrency": [], "sampling": {}}}
@@ -253,9 +257,10 @@ def test_greedy_reports_have_no_reach_and_sampled_ones_show_it(monkeypatch):
     monkeypatch.undo()
     sampled = reach_eval(monkeypatch, data_draft)
     md = render_markdown(build_report(run, sampled, {}))
-    assert "| position | drafts | AL | reach | share | p1 | p2 | p3 | note |" in md, md
+    assert "| position | drafts | answers | AL | reach | share | p1 | p2 | p3 | note |" in md, md
     peaked = sampled["by_position"]["rows"][0]
-    row = f"| 0-150 | {peaked['drafts']} | {peaked['acceptance_length']:.3f} | {peaked['reach_al']:.3f} | 1.000 |"
+    row = (f"| 0-150 | {peaked['drafts']} | {peaked['answers']} | {peaked['acceptance_length']:.3f} | "
+           f"{peaked['reach_al']:.3f} | 1.000 |")
     assert row in md
     assert f"would reach AL {sampled['reach_al']:.3f} (reach_al)" in md
 

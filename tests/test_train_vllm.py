@@ -162,6 +162,32 @@ def test_trained_draft_is_accepted_by_vllm_as_the_offline_walk_predicts(trained,
     assert abs(off_tight["acceptance_length"] - tight_online["acceptance_length"]) <= 0.05, (off_tight, tight_online)
 
 
+def test_vllm_keeps_a_sampled_drafted_token_exactly_where_the_answer_holds_it(trained, tiny_reasoner_dir, tmp_path):
+    """scripts/bench/same_answers.py at temperature 1.0: vLLM's per-request record of every verify
+    step equals the draft's greedy walk against the answer's own tokens, draft for draft (its
+    rejection sampler draws a rejected token's replacement without it), through the 16-position
+    window vLLM serves as 04 trained it; and the sampled walk's expectation is near both."""
+    from helpers import load_script
+
+    bench = load_script("bench/same_answers")
+    prompts = demo_heldout_prompts(tmp_path / "prompts")
+    out = tmp_path / "same"
+    assert bench.main(["--target", str(tiny_reasoner_dir), "--draft", str(trained["run"] / "export"), "--k", "3",
+                       "--prompts", str(prompts), "--num-prompts", "8", "--max-tokens", "240", "--max-model-len",
+                       "1024", "--temperature", "1.0", "--out", str(out), "--position-buckets", "64"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    print(f"\n{(out / 'results.md').read_text()}")
+    assert len(res["answers"]) == 8 and all(x["same_drafts"] and x["exact"] for x in res["answers"]), res["answers"]
+    t = res["totals"]
+    assert sum(r["drafts"] for r in t["vllm"]) > 100
+    assert [r["answers"] for r in t["vllm"]] == [r["answers"] for r in t["walk"]] and t["vllm"][0]["answers"] == 8
+    vllm = 1 + sum(r["acceptance_length"] * r["drafts"] - r["drafts"] for r in t["vllm"] if r["drafts"]) \
+        / sum(r["drafts"] for r in t["vllm"])
+    expected = 1 + sum(r["acceptance_length"] * r["drafts"] - r["drafts"] for r in t["expected"] if r["drafts"]) \
+        / sum(r["drafts"] for r in t["expected"])
+    assert abs(vllm - expected) <= SAMPLED_TOLERANCE + 0.1, (vllm, expected)  # 8 answers: a wider band
+
+
 def test_narrow_draft_export_is_served_by_vllm(trained, tiny_reasoner_dir, tmp_path):
     """A draft narrower than the target (own embed_tokens, fc reading target_hidden_size) loads."""
     stage = stage_cli("04_train")

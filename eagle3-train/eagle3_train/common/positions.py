@@ -9,6 +9,9 @@ accepted/drafted counts of every verify step). Online, the prefill makes the tok
 moves the next draft a + 1 positions on (the bonus token), so a step's position is exact.
 
 Counts are sums (they merge across batches, ranks and requests); rates come from `summarize`.
+Where the counts were made one answer at a time (05 offline and online), they also say how many
+answers drafted in each bucket: drafts of one answer rise and fall together (its topic, its graph,
+its ending), so a bucket of a few long answers is noisy however many drafts it holds.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from collections.abc import Iterable, Sequence
 
 # Bucket b holds positions EDGES[b] <= pos < EDGES[b + 1]; the last bucket is open.
 EDGES = (0, 512, 2048, 8192, 16384)
-# A bucket with fewer drafts than this is marked, its rates too noisy to compare.
+# A bucket with fewer drafts, or drafts from fewer answers, than these is marked: its rates are too
+# noisy to compare (one answer's AL in a bucket spreads ~0.26 around the mean at K = 7).
 MIN_DRAFTS = 50
+MIN_ANSWERS = 8
 # `--position-buckets` (04 and 05): the boundaries after 0, as parse_edges reads them.
 BUCKETS = "512,2k,8k,16k"
 BUCKETS_HELP = ("acceptance by position: the draft's first token's position in prompt + answer, bucketed at "
@@ -113,7 +118,13 @@ def from_vllm_steps(prompt_len: int, per_step_accepted: Sequence[int], per_step_
     if len(per_step_accepted) != len(per_step_drafted):
         raise ValueError(f"per_step_accepted ({len(per_step_accepted)}) and per_step_drafted "
                          f"({len(per_step_drafted)}) differ in length")
-    return count(step_positions(prompt_len, per_step_accepted), per_step_accepted, k, edges)
+    return one_answer(count(step_positions(prompt_len, per_step_accepted), per_step_accepted, k, edges))
+
+
+def one_answer(counts: dict) -> dict:
+    """`counts` of one answer, marked so (in place): `answers[b]` = 1 where it drafted in bucket b."""
+    counts["answers"] = [int(d > 0) for d in counts["drafts"]]
+    return counts
 
 
 def merge(parts: Sequence[dict]) -> dict:
@@ -132,6 +143,8 @@ def merge(parts: Sequence[dict]) -> dict:
             out["accepted"][b] += p["accepted"][b]
             for j, h in enumerate(p["hits"][b]):
                 out["hits"][b][j] += h
+    if all("answers" in p for p in parts):  # a part counted otherwise (04's batches) leaves them unknown
+        out["answers"] = [sum(p["answers"][b] for p in parts) for b in range(len(edges))]
     return out
 
 
@@ -149,23 +162,29 @@ def unflatten(values: Sequence[float], k: int, edges: Sequence[int] = EDGES) -> 
     return out
 
 
-def summarize(counts: dict, min_drafts: int = MIN_DRAFTS) -> list[dict]:
+def summarize(counts: dict, min_drafts: int = MIN_DRAFTS, min_answers: int = MIN_ANSWERS) -> list[dict]:
     """One row a bucket: drafts, AL = 1 + accepted / drafts, per-position rates hits[j] / drafts
-    (None where the bucket is empty), and `few` when it has under `min_drafts` drafts."""
+    (None where the bucket is empty), and `few` when it has under `min_drafts` drafts or, where the
+    counts know their answers (`answers`, then in the row too), drafts from under `min_answers`."""
     rows = []
+    answers = counts.get("answers")
     for b, label in enumerate(labels(counts["edges"])):
         n = counts["drafts"][b]
-        rows.append({"bucket": label, "start": counts["edges"][b], "drafts": n,
-                     "acceptance_length": 1.0 + counts["accepted"][b] / n if n else None,
-                     "per_position_rate": [h / n for h in counts["hits"][b]] if n else None,
-                     "few": n < min_drafts})
+        row = {"bucket": label, "start": counts["edges"][b], "drafts": n,
+               "acceptance_length": 1.0 + counts["accepted"][b] / n if n else None,
+               "per_position_rate": [h / n for h in counts["hits"][b]] if n else None,
+               "few": n < min_drafts}
+        if answers is not None:
+            row["answers"] = answers[b]
+            row["few"] = row["few"] or answers[b] < min_answers
+        rows.append(row)
     return rows
 
 
-def block(counts: dict, min_drafts: int = MIN_DRAFTS) -> dict:
+def block(counts: dict, min_drafts: int = MIN_DRAFTS, min_answers: int = MIN_ANSWERS) -> dict:
     """What 04's validation records and 05's offline result keep as `by_position`: the edges, the
     counts (sums, to merge later) and their `summarize` rows."""
-    return {"edges": list(counts["edges"]), "counts": counts, "rows": summarize(counts, min_drafts)}
+    return {"edges": list(counts["edges"]), "counts": counts, "rows": summarize(counts, min_drafts, min_answers)}
 
 
 def with_reach(block: dict, reach_counts: dict) -> dict:
@@ -182,22 +201,30 @@ def with_reach(block: dict, reach_counts: dict) -> dict:
 
 
 def table(rows: Sequence[dict], k: int | None = None) -> str:
-    """Markdown: bucket | drafts | AL | rate at each draft position (p1..pK) | note; with rows of
-    `with_reach`, also reach (the oracle's AL) and share (AL / reach) after AL."""
+    """Markdown: bucket | drafts | AL | rate at each draft position (p1..pK) | note; with rows that
+    count their answers, answers after drafts; with rows of `with_reach`, also reach (the oracle's
+    AL) and share (AL / reach) after AL."""
     k = k if k is not None else max((len(r["per_position_rate"] or []) for r in rows), default=0)
     reach = any("reach_al" in r for r in rows)
-    head = ["position", "drafts", "AL"] + (["reach", "share"] if reach else []) + \
-        [f"p{j + 1}" for j in range(k)] + ["note"]
+    answers = all("answers" in r for r in rows) and bool(rows)
+    head = ["position", "drafts"] + (["answers"] if answers else []) + ["AL"] + (["reach", "share"] if reach else []) \
+        + [f"p{j + 1}" for j in range(k)] + ["note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         extra = [f"{x:.3f}" if x is not None else "-" for x in (r.get("reach_al"), r.get("share_of_reach"))] \
             if reach else []
+        n = [str(r["answers"])] if answers else []
         if not r["drafts"]:
-            cells = [r["bucket"], "0", "-"] + extra + ["-"] * k + ["no drafts"]
+            cells = [r["bucket"], "0", *n, "-"] + extra + ["-"] * k + ["no drafts"]
         else:
             rates = (r["per_position_rate"] + [None] * k)[:k]
-            cells = [r["bucket"], str(r["drafts"]), f"{r['acceptance_length']:.3f}"] + extra + \
-                [f"{x:.3f}" if x is not None else "-" for x in rates] + \
-                ["few drafts" if r["few"] else ""]
+            cells = [r["bucket"], str(r["drafts"]), *n, f"{r['acceptance_length']:.3f}"] + extra + \
+                [f"{x:.3f}" if x is not None else "-" for x in rates] + [_few(r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _few(row: dict) -> str:
+    if not row["few"]:
+        return ""
+    return "few drafts" if row["drafts"] < MIN_DRAFTS else "few answers"

@@ -161,6 +161,7 @@ def offline_eval(model, head, store, ids: Sequence[str], k: int, *,
                 ids_s, mask_s = s.input_ids[1:], s.loss_mask[1:]
                 correct, valid = draft_correctness(d, ids_s, mask_s, ref)
                 stats.append(chain_acceptance(correct, valid, first_drafted(len(ids_s)), edges))
+                positions.one_answer(stats[-1]["by_position"])
                 if temperature > 0:  # the draft's p and the oracle's (its proposals are `ref`) from the same rows
                     p, p_reach = accept_probs(s, d, head, temperature, top_p, greedy=ref)
                     parts.append((p, valid, first_drafted(len(ids_s)), p_reach))
@@ -211,7 +212,10 @@ def sampled_figures(greedy: dict, parts: list, temperature: float, top_p: float,
     counts, mc = sampled_walk([x[:3] for x in parts], seed=seed, repeats=repeats, edges=edges,
                               reach=[x[3] for x in parts])
     reach = mc.pop("reach")
-    by_position = positions.with_reach(positions.block(counts.pop("by_position")), reach.pop("by_position"))
+    walked, reached = counts.pop("by_position"), reach.pop("by_position")
+    if "answers" in greedy["by_position"]["counts"]:  # the same answers, walked once greedily
+        walked["answers"] = reached["answers"] = greedy["by_position"]["counts"]["answers"]
+    by_position = positions.with_reach(positions.block(walked), reached)
     keep = ("k", "samples", "tokens", "data_matches_greedy")
     rates = {**summarize(counts), "drafts": round(counts["drafts"] / max(mc["repeats"], 1))}
     reach_al = summarize(reach)["acceptance_length"]

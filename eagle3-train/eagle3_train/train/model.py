@@ -25,7 +25,7 @@ def draft_arch(config: TrainConfig, inp: Inputs) -> str:
     anything is written, so a draft the target cannot have is refused in one line."""
     dims = mla_dims(config)
     arch = D.resolve_arch(config.draft_arch, inp.target_cfg, dims)
-    require(arch != "mla" or config.draft_window is None, MLA_WINDOW)  # auto resolved to the MLA layer
+    require(arch != "mla" or config.window_for(arch) is None, MLA_WINDOW)  # auto resolved to the MLA layer
     if arch == "mla":
         from eagle3_train.train.draft_mla import mla_layer_config
 
@@ -56,7 +56,7 @@ def make_draft(config: TrainConfig, inp: Inputs, weights: dict, attn: str = "sdp
                          speculative_tokens=config.spec_tokens,
                          train_embeddings=config.train_embeddings, train_lm_head=config.train_lm_head,
                          attn_impl=ATTN_IMPL[attn], seed=config.seed,
-                         mla_dims=dims, window=config.draft_window)
+                         mla_dims=dims, window=config.window_for(arch))
 
 
 @dataclass
