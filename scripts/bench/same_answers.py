@@ -54,7 +54,7 @@ def parse_args(argv=None):
     g.add_argument("--max-model-len", type=int, default=8192, help="vLLM's --max-model-len (default: 8192)")
     g = p.add_argument_group("the answers")
     g.add_argument("--prompts", type=Path, default=None,
-                   help="01b's input JSONL (messages; the first user turn is sent) (default: the long task's)")
+                   help="01b's input JSONL, sent as 01b sends it (default: the long task's)")
     g.add_argument("--num-prompts", type=int, default=64, help="prompts answered (default: 64)")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
     g.add_argument("--max-tokens", type=int, default=6000, help="max tokens an answer (default: 6000)")
@@ -81,18 +81,14 @@ def parse_args(argv=None):
     return a
 
 
-def questions(a) -> list[str]:
+def questions(a) -> list[tuple[str, list[dict]]]:
+    """(id, messages) of each prompt sent: the long task's, or --prompts read as 01b and 05 read them."""
     if a.prompts is None:
-        return [ex["question"] for ex in long_examples(a.num_prompts, 4242)]
-    out = []
-    for line in a.prompts.read_text().splitlines():
-        if line.strip():
-            user = [m for m in json.loads(line)["messages"] if m["role"] == "user"]
-            if user:
-                out.append(user[0]["content"])
-    if not out:
-        raise PipelineError(f"--prompts {a.prompts} holds no user turn")
-    return out[:a.num_prompts]
+        return [(f"q{i}", [{"role": "user", "content": ex["question"]}])
+                for i, ex in enumerate(long_examples(a.num_prompts, 4242))]
+    from eagle3_train.common.prompts import load_prompts
+
+    return [(p.id, p.messages) for p in load_prompts(str(a.prompts), limit=a.num_prompts, flag="--prompts").prompts]
 
 
 def serve(a) -> list[dict]:
@@ -115,19 +111,20 @@ def serve(a) -> list[dict]:
             sem = asyncio.Semaphore(a.concurrency)
             async with RecordingClient([srv.base_url], "target", timeout=3600, max_retries=2,
                                        concurrency=a.concurrency) as client:
-                async def one(i, q):
+                async def one(i, pid, messages):
                     sampling = {"max_tokens": a.max_tokens, "temperature": a.temperature,
-                                "seed": sample_seed(a.seed, f"q{i}")}
+                                "seed": sample_seed(a.seed, pid)}
                     async with sem:
-                        res = await client.complete(client.body([{"role": "user", "content": q}], sampling))
+                        res = await client.complete(client.body(messages, sampling))
                     if not res.ok:
                         raise PipelineError(f"question {i}: {res.error.get('error_type')}: {res.error.get('message')}")
                     if res.answer["spec_record"] is None:  # it never drafted (a 1-token answer), or no record
                         skipped.append(i)
                         return
-                    answers.append({"i": i, "question": q, "prompt_token_ids": res.answer["prompt_token_ids"],
+                    answers.append({"i": i, "question": messages[-1]["content"],
+                                    "prompt_token_ids": res.answer["prompt_token_ids"],
                                     "token_ids": res.answer["token_ids"], "record": res.answer["spec_record"]})
-                await asyncio.gather(*(one(i, q) for i, q in enumerate(qs)))
+                await asyncio.gather(*(one(i, pid, messages) for i, (pid, messages) in enumerate(qs)))
         asyncio.run(run())
     if len(skipped) == len(qs):
         raise PipelineError(f"no answer came with a per-request spec-decode record (see {a.out / 'vllm.log'})")

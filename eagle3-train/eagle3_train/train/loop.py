@@ -36,7 +36,6 @@ from eagle3_train.train.config import (
     STAGE,
     STOPPED,
     TrainConfig,
-    auto_window,
 )
 from eagle3_train.train.data import Loader, make_plan, shifted
 from eagle3_train.train.dist import Dist, setup_dist
@@ -109,7 +108,7 @@ def resolve_draft(config: TrainConfig, inp, out: Path) -> None:
             config.block_causal = was["block_causal"]  # the bare rerun resumes its block, whatever the default
     if config.draft_window == "auto":  # a bare rerun keeps the window it recorded, whatever the default
         config.draft_window = was["draft_window"] if was.get("draft_arch") in (arch, config.draft_arch) \
-            and "draft_window" in was else auto_window(arch, config.causal_block)
+            and "draft_window" in was else config.window_for(arch)
     if aliases:
         config.record_aliases = aliases
     config.draft_arch = arch
