@@ -97,8 +97,8 @@ def test_fault_classes_end_to_end(tmp_path):
         "[[fault:length]]": (True, None, 1),
     }
     with FaultServer(tmp_path) as fs:
-        outs, _ = run(complete_many([fs.url], list(cases), timeout=3.0, max_retries=2, backoff_base=0.05,
-                                    backoff_max=0.2))
+        outs, client = run(complete_many([fs.url], list(cases), timeout=3.0, max_retries=2, backoff_base=0.05,
+                                         backoff_max=0.2))
     for (text, (ok, etype, attempts)), out in zip(cases.items(), outs):
         assert out.ok == ok, (text, out.error)
         assert out.attempts == attempts, (text, out)
@@ -106,6 +106,12 @@ def test_fault_classes_end_to_end(tmp_path):
             assert out.error["error_type"] == etype and out.error["attempts"] == attempts
             assert out.error["retryable"] == (etype in ("http_500", "connection"))
             assert out.error["message"] and "\n" not in out.error["message"]
+    # every attempt that went again is counted by its cause, with the first message of each
+    causes = client.retry_causes
+    assert client.retries == sum(o.attempts - 1 for o in outs) == sum(c["count"] for c in causes.values())
+    assert {k: c["count"] for k, c in causes.items()} == {
+        "http_500": 3, "http_429": 1, "http_503": 1, "connection": 3, "bad_json": 1, "timeout": 1}
+    assert causes["timeout"]["first"] == "no complete answer within 3 s (--timeout)"
     length = outs[list(cases).index("[[fault:length]]")]
     assert length.answer["finish_reason"] == "length" and length.answer["content"] is None
 

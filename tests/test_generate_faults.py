@@ -88,6 +88,13 @@ def test_every_id_ends_once_with_its_reason_and_a_rerun_completes(tmp_path):
     assert manifest["counts"]["failed"] == n_err and manifest["counts"]["answered"] == len(texts) - n_err
     log = (out / "progress.log").read_text().splitlines()
     assert f"done {len(texts)}/{len(texts)}" in log[-1] and f"errors {n_err}" in log[-1]
+    # every attempt that went again, counted by its cause: in the manifest and on one line of the log
+    retried = sum(x["attempts"] - 1 for x in raw + errs)
+    causes = manifest["counts"]["this_run"]["retry_causes"]
+    assert retried == manifest["counts"]["this_run"]["retries"] == sum(c["count"] for c in causes.values()) > 0
+    assert causes["bad_json"]["count"] >= 2 and "not valid JSON" in causes["bad_json"]["first"]
+    (line,) = [x for x in log if "attempts were retried this run" in x]
+    assert f"01b: {retried} attempts were retried this run: " in line and "bad_json x" in line
 
     # The server is fixed; the same command retries only the failed ids and completes the set.
     before = {x["id"]: x for x in raw}

@@ -109,6 +109,12 @@ def parse_completion(data: bytes, require_token_ids: bool = True) -> dict:
 
 # ----------------------------------------------------------------------------- HTTP layer
 
+# Seconds an idle connection is kept for reuse: under the server's own keep-alive (vLLM closes idle
+# connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), so a request never goes out on a connection
+# the server is closing, which fails as a disconnect and costs a retry.
+KEEPALIVE_S = 4.0
+
+
 def _lean_transport_class():
     import aiohttp
     import httpx2
@@ -124,7 +130,8 @@ def _lean_transport_class():
         async def handle_async_request(self, request):
             if self.session is None:
                 self.session = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=self.limit, limit_per_host=0, force_close=False),
+                    connector=aiohttp.TCPConnector(limit=self.limit, limit_per_host=0, force_close=False,
+                                                   keepalive_timeout=KEEPALIVE_S),
                     timeout=self.timeout, auto_decompress=True,
                     skip_auto_headers=("User-Agent",))
             try:
@@ -162,7 +169,8 @@ def make_openai_client(base_url: str, *, api_key: str, transport: str = "aiohttp
         elif transport == "httpx":
             http_client = openai.DefaultAsyncHttpxClient(
                 timeout=None, limits=httpx2.Limits(max_connections=concurrency + 8,
-                                                   max_keepalive_connections=concurrency + 8))
+                                                   max_keepalive_connections=concurrency + 8,
+                                                   keepalive_expiry=KEEPALIVE_S))
         else:
             raise PipelineError(f"--transport must be aiohttp or httpx, not {transport!r}")
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=None,
@@ -202,6 +210,7 @@ class ChatClient:
     require_token_ids: bool = True  # False: 01b --allow-text-fallback re-wraps answers without ids
     endpoints: list[Endpoint] = field(default_factory=list, init=False)
     retries: int = field(default=0, init=False)
+    retry_causes: dict = field(default_factory=dict, init=False)  # error_type -> {count, first}: what was retried
 
     def __post_init__(self):
         if not self.base_urls:
@@ -280,6 +289,8 @@ class ChatClient:
             if not last["retryable"] or attempt > self.max_retries:
                 break
             self.retries += 1
+            cause = self.retry_causes.setdefault(last["error_type"], {"count": 0, "first": last["message"]})
+            cause["count"] += 1
             await asyncio.sleep(backoff_delay(attempt, self.backoff_base, self.backoff_max, self._rng,
                                               last.pop("retry_after", None)))
         last.pop("retry_after", None)

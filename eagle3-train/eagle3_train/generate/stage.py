@@ -402,6 +402,10 @@ async def _generate(prompts: list[Prompt], args, out_dir: Path, progress: Progre
     if abort is not None:
         raise PipelineError(str(abort))
     stats["retries"] = client.retries
+    stats["retry_causes"] = client.retry_causes
+    if client.retries:  # each one also waited its backoff: the why belongs where the user reads
+        say(f"01b: {client.retries} attempts were retried this run: " + "; ".join(
+            f"{kind} x{c['count']} (first: {c['first']})" for kind, c in client.retry_causes.items()))
     stats["concurrency"] = concurrency_record(args, steers, fixed)
     stats["endpoints"] = {e.url: {"ok": e.ok, "failed_attempts": e.failed} for e in client.endpoints}
     return stats
@@ -541,7 +545,8 @@ def _write_manifest(out_dir: Path, args, ps, answered: int, failed: int, stats: 
                 "prompt_tokens": prompt_tokens, "longest_prompt_tokens": longest, "generated_tokens": gen_tokens,
                 "records_in_file": sum(1 for _ in read_jsonl(out_dir / RAW)), "text_derived": text_derived,
                 "this_run": {"answered": stats["answered"], "failed": stats["failed"],
-                             "retries": stats["retries"], "text_derived": stats.get("text_derived", 0)}},
+                             "retries": stats["retries"], "retry_causes": stats.get("retry_causes", {}),
+                             "text_derived": stats.get("text_derived", 0)}},
         target={"model": args.model, "base_urls": list(args.base_url or ())},
         identity={**args.identity(), **source_identity(args, ps.source)}, text_derived=bool(text_derived),
         # what the servers said of their KV cache at this run's start, and the levels in flight this run
