@@ -107,7 +107,7 @@ def _dflash_model(inputs, out, **flags):
 
     causal = flags.pop("block_causal", None)
     cfg = stage.parse_args(inputs_argv(inputs, out, **{**DFLASH, **flags}))
-    cfg.block_causal = cfg.causal_block if causal is None else causal  # as 04 resolves it (loop.resolve_draft)
+    cfg.block_causal = cfg.causal_block if causal is None else causal  # as 04 resolves it (resolve.resolve_draft)
     d = Dist()
     inp = open_inputs(cfg, d.dtype)
     m = build_model(cfg, inp, d)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from eagle3_testkit import train_memory as memory
 from eagle3_train.common.manifest import read_manifest
-from eagle3_train.plan import gen, planner
+from eagle3_train.plan import gen, planner, stage
 from eagle3_train.train import budget as B
 from eagle3_train.train import run
 from helpers import inputs_argv, make_training_set, stage_cli
@@ -594,4 +594,4 @@ def test_capture_counts_its_pinned_host_buffers_and_the_piecewise_graphs_cost():
     assert "PIECEWISE" in row["rate_source"]
     plain = P.gen_rate(serve, P.with_measured(f, P.serving(shape, f)))[0]
     assert row["rate_tok_s"] == pytest.approx(plain / P.CAPTURE_PIECEWISE_COST)
-    assert any("pinned buffers" in line for line in P.capture_lines(p, lambda x: f"{x / 1e9:.1f} GB"))
+    assert any("pinned buffers" in line for line in stage.capture_lines(p, lambda x: f"{x / 1e9:.1f} GB"))

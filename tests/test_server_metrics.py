@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from eagle3_train.common import server_metrics as sm
-from eagle3_train.generate.stage import cache_report, prompt_tokens_estimate
+from eagle3_train.generate.server_cache import cache_report, prompt_tokens_estimate
 
 # Trimmed from the real server's /metrics (three of its series, lines kept whole).
 VLLM_CPU_METRICS = (

@@ -104,7 +104,7 @@ def serve_and_run(name: str, args, prompts: Path, warmup: Path, work: Path, runs
             if conc == "rule":
                 from eagle3_train.common.prompts import load_prompts
                 from eagle3_train.common.server_metrics import cache_tokens, fitting_concurrency
-                from eagle3_train.generate.stage import prompt_tokens_estimate
+                from eagle3_train.generate.server_cache import prompt_tokens_estimate
                 import urllib.request
 
                 with urllib.request.urlopen(srv.metrics_url, timeout=30) as r:

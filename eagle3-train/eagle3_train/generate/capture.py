@@ -47,15 +47,13 @@ import shlex
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from eagle3_train.common import hidden_store as hs
-from eagle3_train.common.client import ChatClient, Outcome, ResponseError
+from eagle3_train.common.client import Outcome
 from eagle3_train.common.errors import PipelineError
 from eagle3_train.common.formats import TOPK_STORAGE
 from eagle3_train.common.manifest import MANIFEST, describe_file, describe_tokenizer, write_manifest
@@ -69,6 +67,7 @@ from eagle3_train.common.store import (
     read_jsonl,
 )
 from eagle3_train.extract import vllm as vx
+from eagle3_train.generate.capture_client import CaptureClient, extra_body
 from eagle3_train.generate.capture_settings import HIDDEN, REQUESTS
 
 JOURNAL = ".capture"
@@ -79,36 +78,6 @@ LOCK_WAIT_S = 600.0  # longest wait for the connector to finish writing one file
 
 # The longest context 01b capture asks of a server it launches or prints without --max-model-len.
 LONGEST_UNASKED_CONTEXT = 32768
-
-
-@dataclass
-class CaptureClient(ChatClient):
-    """01b's client, keeping the response's `kv_transfer_params.hidden_states_path` in the answer;
-    with `room` (Capture.room, --max-store-gb) each request waits for room in the store first."""
-
-    room: Callable[[], None] | None = None
-
-    async def complete(self, body: bytes, prefer=None) -> Outcome:
-        if self.room is not None:  # on a thread: the answers in flight are still collected meanwhile
-            await asyncio.to_thread(self.room)
-        return await super().complete(body, prefer)
-
-    def parse(self, content: bytes) -> dict:
-        answer = super().parse(content)
-        kv = json.loads(content).get("kv_transfer_params") or {}
-        path = kv.get("hidden_states_path") if isinstance(kv, dict) else None
-        if not path:
-            raise ResponseError("no_hidden_states_path", "the response has no kv_transfer_params."
-                                "hidden_states_path: was the server started with the command "
-                                "01b --capture-hidden-states prints?", False)
-        answer["hidden_states_path"] = path
-        return answer
-
-
-def extra_body(user: dict) -> dict:
-    """--extra-body plus the option that makes the connector save the answer's states too."""
-    kv = dict(user.get("kv_transfer_params") or {})
-    return {**user, "kv_transfer_params": {**kv, "include_output_tokens": True}}
 
 
 def store_sequence(sample: dict, fmt, cfg):

@@ -123,6 +123,7 @@ def full_run(target: str, rates: dict, samples: int, gpus: int, max_tokens: int 
     """01b of the full run (`samples` prompts) from the pilot's measured rates, lengths and cache:
     the planner's pure plan() with them in place of its assumptions; its 01b lines and hours."""
     from eagle3_train.plan import planner as P
+    from eagle3_train.plan.stage import gen_lines
 
     answers, prompt = rates["answers"], rates.get("prompt_tokens") or 1
     points = [(p["level"], p["tok_s"]) for p in rates["points"]] or None
@@ -135,4 +136,4 @@ def full_run(target: str, rates: dict, samples: int, gpus: int, max_tokens: int 
     gen = P.plan(P.load_shape(target), f)["stages"]["01b"]
     return {"samples": samples, "hours": gen["hours"], "tok_s": round(gen["rate_tok_s"], 1),
             "concurrency": gen["serving"].get("concurrency"), "rate_source": gen["rate_source"],
-            "lines": P.gen_lines(gen, P.asdict(f))}
+            "lines": gen_lines(gen, P.asdict(f))}

@@ -65,7 +65,7 @@ def parse_args(argv=None) -> PlanConfig:
 
 def main(argv=None) -> int:
     config = parse_args(argv)
-    from eagle3_train.plan.planner import run
+    from eagle3_train.plan.stage import run
 
     return run(config)
 

@@ -16,6 +16,7 @@ validated once, which may change on resume).
   checkpoint.py  Checkpointer: interval, keep-last, atomic save with COMPLETE, load, relog
   metrics.py     Meter (sums per interval), Recorder (metrics.jsonl + progress), curves
   loop.py        run() and the Trainer: train, train_step, validate, save
+  resolve.py     the draft's defaulted flags (arch, K, block, window, norms) resolved; a bare rerun's kept
   export.py      the export vLLM serves (speculators' eagle3 / DFlash format; MLA: vLLM's deepseek_eagle3), manifest
 """
 

@@ -274,7 +274,7 @@ class TrainConfig(StageConfig):
         require(self.lr is None or self.lr > 0, f"--lr must be positive, not {self.lr}")
         require(self.draft_arch in DRAFT_ARCHS,
                 f"--draft-arch must be one of {', '.join(DRAFT_ARCHS)}, not {self.draft_arch!r}")
-        self.draft_window = parse_window(self.draft_window)  # auto: resolved with the arch (loop.resolve_draft)
+        self.draft_window = parse_window(self.draft_window)  # auto: resolved with the arch (resolve.resolve_draft)
         require(self.draft_window in (None, "auto") or self.draft_arch != "mla", MLA_WINDOW)
         self.check_block()
         set_mla = [f"--{_flag(k)}" for k, v in self.mla_dims.items() if v is not None]
