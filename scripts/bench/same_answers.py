@@ -39,7 +39,7 @@ from pathlib import Path
 from eagle3_testkit.long_tasks import long_examples
 from eagle3_train.common import positions
 from eagle3_train.common.errors import PipelineError, run_main
-from eagle3_train.common.store import atomic_write_text
+from eagle3_train.common.store import atomic_write_text, read_jsonl
 
 SERVER_ARGS = ["--max-num-batched-tokens", "16384", "--per-request-spec-decode-metrics", "detailed"]
 BUCKETS = "256,512,1k,2k,4k"
@@ -100,7 +100,7 @@ def serve(a) -> list[dict]:
 
     path = a.answers or a.out / "answers.jsonl"
     if path.exists():
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return list(read_jsonl(path))
     spec = {"method": draft_method(read_draft_config(a.draft)), "model": str(a.draft.resolve()),
             "num_speculative_tokens": a.k}
     qs = questions(a)
@@ -155,41 +155,40 @@ def walk(a, answers: list[dict]) -> dict:
     draft, head = load_draft(a.draft, a.target), load_target_head(a.target)
     parts = {"vllm": [], "walk": [], "expected": []}
     sampled, per_answer = [], []
-    log = open(a.out / "progress.log", "a")
-    for x in answers:
-        ids = x["prompt_token_ids"] + x["token_ids"]
-        feats = target.run([{"input_ids": ids}])
-        mask = torch.zeros(len(ids), dtype=torch.bool)
-        mask[len(x["prompt_token_ids"]):] = True
-        s = SampleStates(id=str(x["i"]), input_ids=torch.tensor(ids), loss_mask=mask, aux=feats["aux"],
-                         last=feats["last"])
-        proposals = draft_step_tokens(draft, [s], a.k)[0]
-        greedy = head.greedy(s.last).cpu()[1:]
-        # temperature > 0: the answer's own tokens are what vLLM kept; 0: the target's greedy tokens
-        correct, valid = draft_correctness(proposals, s.input_ids[1:], s.loss_mask[1:],
-                                           None if a.temperature > 0 else greedy)
-        first = first_drafted(len(ids) - 1)
-        walked = positions.one_answer(chain_acceptance(correct, valid, first, a.edges)["by_position"])
-        parts["walk"].append(walked)
-        row = {"i": x["i"], "question": x["question"], "tokens": len(x["token_ids"]),
-               "walk": {"drafts": walked["drafts"], "accepted": walked["accepted"]}}
-        served = walked
-        if a.answers is None:  # this draft served them: its record
-            served, exact = record_counts(x["record"], len(x["prompt_token_ids"]), len(x["token_ids"]), a.k,
-                                          a.edges)
-            parts["vllm"].append(served)
-            row |= {"exact": exact, "same_drafts": same_but_the_last(x, correct, valid, first, a),
-                    "vllm": {"drafts": served["drafts"], "accepted": served["accepted"]}}
-        if a.temperature > 0:
-            p, _ = accept_probs(s, proposals, head, a.temperature, 1.0, greedy=greedy)
-            sampled.append((p, valid, first))
-        per_answer.append(row)
-        line = (f"answer {x['i']} ({row['tokens']} tokens): " + ", ".join(
-            f"{r['bucket']} vLLM {_al(r) if a.answers is None else '-'} walk {_al(w)}" for r, w in
-            zip(positions.summarize(served), positions.summarize(walked)) if r["drafts"] or w["drafts"]))
-        print(line, file=log, flush=True)
-        print(line, flush=True)
-    log.close()
+    with open(a.out / "progress.log", "a") as log:
+        for x in answers:
+            ids = x["prompt_token_ids"] + x["token_ids"]
+            feats = target.run([{"input_ids": ids}])
+            mask = torch.zeros(len(ids), dtype=torch.bool)
+            mask[len(x["prompt_token_ids"]):] = True
+            s = SampleStates(id=str(x["i"]), input_ids=torch.tensor(ids), loss_mask=mask, aux=feats["aux"],
+                             last=feats["last"])
+            proposals = draft_step_tokens(draft, [s], a.k)[0]
+            greedy = head.greedy(s.last).cpu()[1:]
+            # temperature > 0: the answer's own tokens are what vLLM kept; 0: the target's greedy tokens
+            correct, valid = draft_correctness(proposals, s.input_ids[1:], s.loss_mask[1:],
+                                               None if a.temperature > 0 else greedy)
+            first = first_drafted(len(ids) - 1)
+            walked = positions.one_answer(chain_acceptance(correct, valid, first, a.edges)["by_position"])
+            parts["walk"].append(walked)
+            row = {"i": x["i"], "question": x["question"], "tokens": len(x["token_ids"]),
+                   "walk": {"drafts": walked["drafts"], "accepted": walked["accepted"]}}
+            served = walked
+            if a.answers is None:  # this draft served them: its record
+                served, exact = record_counts(x["record"], len(x["prompt_token_ids"]), len(x["token_ids"]), a.k,
+                                              a.edges)
+                parts["vllm"].append(served)
+                row |= {"exact": exact, "same_drafts": same_but_the_last(x, correct, valid, first, a),
+                        "vllm": {"drafts": served["drafts"], "accepted": served["accepted"]}}
+            if a.temperature > 0:
+                p, _ = accept_probs(s, proposals, head, a.temperature, 1.0, greedy=greedy)
+                sampled.append((p, valid, first))
+            per_answer.append(row)
+            line = (f"answer {x['i']} ({row['tokens']} tokens): " + ", ".join(
+                f"{r['bucket']} vLLM {_al(r) if a.answers is None else '-'} walk {_al(w)}" for r, w in
+                zip(positions.summarize(served), positions.summarize(walked)) if r["drafts"] or w["drafts"]))
+            print(line, file=log, flush=True)
+            print(line, flush=True)
     out = {name: positions.block(positions.merge(p))["rows"] for name, p in parts.items() if p}
     if sampled:
         counts, mc = sampled_walk(sampled, seed=a.seed, repeats=64, edges=a.edges)
